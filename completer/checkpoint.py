@@ -1,0 +1,177 @@
+"""Load and save HF-format checkpoint directories.
+
+A directory holds `config.json`, `model.safetensors` (or shards listed in
+`model.safetensors.index.json`) and `tokenizer.json`. Every problem is raised
+as a `CheckpointError` whose one-line message names the file and the cause.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
+from completer.tokenizer import TextTokenizer, write_tokenizer_config
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file."""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def parse_config(path: Path) -> ModelConfig:
+    raw = _read_json(path)
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
+                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    try:
+        heads = raw["num_attention_heads"]
+        # transformers < 5 writes rope_theta + rope_scaling; 5 writes rope_parameters.
+        scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
+        fields = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
+        rope = RopeScaling(**{**fields, "rope_type": kind}) if kind != "default" else None
+        is_qwen = arch == "Qwen2ForCausalLM"
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=rope,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=True if is_qwen else raw.get("attention_bias", False),
+            o_bias=False if is_qwen else raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
+
+
+def weight_files(directory: Path) -> list[Path]:
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise CheckpointError(f"{directory / shard}: shard listed in {index.name} not found")
+        return [directory / s for s in shards]
+    raise CheckpointError(f"{single}: file not found (nor a sharded {index.name})")
+
+
+def load_model(directory: str | Path, precision: str = "fp32",
+               device: str | torch.device = "cpu") -> Transformer:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: model directory not found")
+    cfg = parse_config(directory / "config.json")
+    files = weight_files(directory)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    if name not in expected:
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue  # some tied checkpoints store the copy anyway
+                        if name.endswith("rotary_emb.inv_freq"):
+                            continue
+                        raise CheckpointError(f"{f}: unexpected tensor {name!r}")
+                    tensor = handle.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(expected[name]):
+                        raise CheckpointError(
+                            f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"config.json implies {tuple(expected[name])}")
+                    state[name] = tensor
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{directory}: tensor {missing[0]!r}{more} missing from the weights")
+    dtype = DTYPES.get(precision)
+    if dtype is None:
+        raise CheckpointError(f"unknown precision {precision!r} (known: {', '.join(DTYPES)})")
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inverse_frequencies(cfg).to(device)  # buffer was on meta
+    return model.to(dtype).eval()
+
+
+def load_tokenizer(directory: str | Path) -> TextTokenizer:
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return TextTokenizer.from_file(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+
+
+def config_json(cfg: ModelConfig) -> dict:
+    """An HF config.json for our default models (saved as LlamaForCausalLM)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def save_model(model: Transformer, directory: Path, tokenizer: TextTokenizer,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write an HF-format directory that transformers' AutoModelForCausalLM loads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_json(model.config), indent=2) + "\n")
+    tokenizer.tokenizer.save(str(directory / "tokenizer.json"))
+    write_tokenizer_config(directory)

@@ -1,0 +1,97 @@
+"""The `completer` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from completer.training import cli as train_cli
+
+
+def split_cursor(spec: str) -> tuple[Path, int, int]:
+    """`path/to/file.py:LINE:COL` (1-based, COL counts characters)."""
+    try:
+        path, line, col = spec.rsplit(":", 2)
+        return Path(path), int(line), int(col)
+    except ValueError:
+        raise SystemExit(f"error: expected FILE:LINE:COL, got {spec!r}") from None
+
+
+def document_at(path: Path, line: int, col: int) -> tuple[str, str]:
+    """The file's text before and after the cursor."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: cannot read {path}: {e}") from None
+    lines = text.split("\n")
+    if not 1 <= line <= len(lines) or not 1 <= col <= len(lines[line - 1]) + 1:
+        raise SystemExit(f"error: {path}:{line}:{col} is outside the file "
+                         f"({len(lines)} lines; line {min(line, len(lines))} has "
+                         f"{len(lines[min(line, len(lines)) - 1])} characters)")
+    offset = sum(len(s) + 1 for s in lines[: line - 1]) + col - 1
+    return text[:offset], text[offset:]
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    from completer.checkpoint import CheckpointError
+    from completer.generate import complete
+    from completer.loading import DEFAULT_TARGET, load
+
+    if args.cursor:
+        path, line, col = split_cursor(args.cursor)
+        prefix, suffix = document_at(path, line, col)
+        name = str(path)
+    else:
+        if args.prefix is None:
+            raise SystemExit("error: give FILE:LINE:COL or --prefix (use - to read it from stdin)")
+        stdin = sys.stdin.read() if "-" in (args.prefix, args.suffix) else ""
+        prefix = stdin if args.prefix == "-" else args.prefix
+        suffix = stdin if args.suffix == "-" else (args.suffix or "")
+        name = None
+    try:
+        loaded = load(args.model or DEFAULT_TARGET, args.precision, args.template)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    builder = loaded.prompt_builder(args.context_tokens - args.max_tokens)
+    result = complete(loaded.model, builder, prefix, suffix, name, max_tokens=args.max_tokens,
+                      mode=args.mode)
+    print(result.text)
+    print(f"[{loaded.name}] {result.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from completer.evaluate import main as evaluate_main
+
+    return evaluate_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="completer", description="low-latency code completion")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("complete", help="print one completion for a cursor in a file")
+    p.add_argument("cursor", nargs="?", help="FILE:LINE:COL (1-based)")
+    p.add_argument("--prefix", help="text before the cursor (- reads stdin)")
+    p.add_argument("--suffix", help="text after the cursor (- reads stdin)")
+    p.add_argument("--model", type=Path, help="HF checkpoint directory (default: the embedded target)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
+    p.add_argument("--mode", default="line", choices=["line", "block", "free"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--context-tokens", type=int, default=1024, help="prompt + completion budget")
+    p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser("evaluate", help="evaluate the target and drafter on code outside the stdlib")
+    from completer.evaluate import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=cmd_evaluate)
+
+    train_cli.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

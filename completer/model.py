@@ -1,0 +1,246 @@
+"""A Llama-family decoder in plain torch (Llama and Qwen2 checkpoints).
+
+The parameter names match Hugging Face's, so a checkpoint's state dict loads
+1:1. The forward pass takes explicit positions and hands K/V to an attention
+backend (see `completer.kv`), so the engine decides where KV lives: a static
+per-request cache here, a paged block pool later. Attention math is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RopeScaling(msgspec.Struct, frozen=True):
+    """`rope_scaling` as a checkpoint declares it (types: linear, llama3, yarn)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """The fields of an HF `config.json` that the runtime needs."""
+
+    architecture: str  # "LlamaForCausalLM" or "Qwen2ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v
+    o_bias: bool = False  # Llama `attention_bias` also biases o_proj
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def num_parameters(self) -> int:
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + d
+
+
+class AttentionBackend(Protocol):
+    """Where K/V live. `attend` stores this step's K/V, then attends q over them."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (RoPE applied); positions: [B, T].
+        Returns [B, Hq, T, D] in q's dtype."""
+        ...
+
+
+def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """Grouped-query SDPA computed in fp32 whatever the weights' dtype."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
+    return out.to(q.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Per-dimension-pair rotation frequencies, with the checkpoint's scaling applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = cfg.rope_scaling
+    if s is None or s.rope_type == "default":
+        return inv_freq.float()
+    if s.rope_type == "linear":
+        return (inv_freq / s.factor).float()
+    if s.rope_type == "llama3":
+        old_len = s.original_max_position_embeddings
+        low_wavelen = old_len / s.low_freq_factor
+        high_wavelen = old_len / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled).float()
+    if s.rope_type == "yarn":
+        old_len = s.original_max_position_embeddings or cfg.max_position_embeddings
+
+        def dim_for_rotations(n: float) -> float:
+            return dim * math.log(old_len / (n * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(dim_for_rotations(s.beta_fast)), 0)
+        high = min(math.ceil(dim_for_rotations(s.beta_slow)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        extrapolate = 1 - ramp.clamp(0, 1)
+        return (inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate).float()
+    raise ValueError(f"unsupported rope_scaling type {s.rope_type!r}")
+
+
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """YaRN scales cos/sin (and so the logits) by a length-dependent factor."""
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "yarn" and s.factor > 1:
+        return 0.1 * math.log(s.factor) + 1.0
+    return 1.0
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x: [B, H, T, D]; cos/sin: [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, positions, backend: AttentionBackend | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if backend is None:  # training / stateless scoring: causal over this batch
+            out = attention_fp32(q, k, v, None, causal=True)
+        else:
+            out = backend.attend(self.layer, q, k, v, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, positions, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+        self.rope_scale = rope_attention_scale(cfg)
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh weights for training (loaded checkpoints skip this): N(0, std),
+        output projections scaled down by depth as in GPT-2, zero biases."""
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
+        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      backend: AttentionBackend | None = None) -> torch.Tensor:
+        """tokens, positions: [B, T] int64. Returns the final-normed hidden states."""
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions, backend)
+        return self.model.norm(x)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                backend: AttentionBackend | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (fp32). Without a backend: causal over `tokens` alone."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.lm_head(self.hidden_states(tokens, positions, backend)).float()

@@ -1,0 +1,201 @@
+"""Fill-in-the-middle prompts: templates per model family and window fitting.
+
+A prompt is built from token segments: special tokens by name, and texts that
+are tokenized on their own. Tokenizing the prefix alone (not joined with what
+the model will write) is also how the default models were trained, so the
+cursor may sit anywhere, even mid-word.
+
+Layout and the KV cache: consecutive keystrokes only change the text right
+before the cursor. Whatever precedes the prefix in the prompt is reused from
+cache; whatever follows it must be prefilled again on every keystroke.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Literal
+
+import msgspec
+
+from completer.tokenizer import TextTokenizer
+
+
+class Snippet(msgspec.Struct, frozen=True):
+    """Extra context from another file (protocol: `context` items)."""
+
+    uri: str
+    text: str
+
+
+class FimTemplate(msgspec.Struct, frozen=True):
+    """Special-token strings of one model family and the order it was trained on.
+
+    `psm`: [pre] prefix [suf] suffix [mid]  -- the suffix comes after the prefix,
+           so every keystroke re-prefills the whole suffix.
+    `spm`: [pre][suf] suffix [mid] prefix  -- stable content first: a keystroke
+           re-prefills only the changed tail of the prefix (the variant of SPM
+           in which prefix and middle are contiguous, as StarCoder uses).
+    """
+
+    name: str
+    prefix: str
+    suffix: str
+    middle: str
+    stop_tokens: tuple[str, ...]
+    file_sep: str | None = None
+    order: Literal["psm", "spm"] = "psm"
+    # CodeLlama puts a space between its markers and the texts.
+    marker_space: bool = False
+
+
+TEMPLATES: dict[str, FimTemplate] = {
+    # Our default models: trained in SPM order (see the class docstring), with
+    # file separators for context snippets.
+    "default": FimTemplate(
+        name="default", prefix="<|fim_prefix|>", suffix="<|fim_suffix|>", middle="<|fim_middle|>",
+        stop_tokens=("<|endoftext|>", "<|file_sep|>"), file_sep="<|file_sep|>", order="spm"),
+    # Qwen2.5-Coder was trained on PSM; its repo-level format separates files
+    # with <|file_sep|>path\n. PSM costs a suffix re-prefill per keystroke.
+    "qwen2.5-coder": FimTemplate(
+        name="qwen2.5-coder", prefix="<|fim_prefix|>", suffix="<|fim_suffix|>",
+        middle="<|fim_middle|>", file_sep="<|file_sep|>", order="psm",
+        stop_tokens=("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>")),
+    # StarCoder/StarCoder2 saw both orders in training; SPM keeps the cache warm.
+    "starcoder": FimTemplate(
+        name="starcoder", prefix="<fim_prefix>", suffix="<fim_suffix>", middle="<fim_middle>",
+        stop_tokens=("<|endoftext|>", "<file_sep>"), file_sep="<file_sep>", order="spm"),
+    # CodeLlama's infilling was trained with both; PSM is its documented format.
+    "codellama": FimTemplate(
+        name="codellama", prefix="<PRE>", suffix="<SUF>", middle="<MID>",
+        stop_tokens=("<EOT>", "</s>"), order="psm", marker_space=True),
+}
+
+
+def get_template(name: str, order: str | None = None) -> FimTemplate:
+    """A template by family name, optionally forcing `psm` or `spm` order."""
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown FIM template {name!r}; known: {', '.join(TEMPLATES)}")
+    template = TEMPLATES[name]
+    if order is not None:
+        if order not in ("psm", "spm"):
+            raise ValueError(f"FIM order must be 'psm' or 'spm', not {order!r}")
+        template = msgspec.structs.replace(template, order=order)
+    return template
+
+
+class Window(msgspec.Struct, frozen=True):
+    """The part of the document that goes into the prompt, as char offsets:
+    prefix[prefix_start:] and suffix[:suffix_end]."""
+
+    prefix_start: int
+    suffix_end: int
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    window: Window
+    prefix_tokens: int  # how many of `tokens` are the (windowed) prefix text
+
+
+class PromptBuilder:
+    """Renders FIM prompts for one tokenizer and template within a token budget."""
+
+    def __init__(self, tokenizer: TextTokenizer, template: FimTemplate, budget: int,
+                 suffix_share: float = 0.25, context_share: float = 0.25, step_lines: int = 32):
+        self.tok = tokenizer
+        self.template = template
+        self.budget = budget
+        self.suffix_budget = int(budget * suffix_share)
+        self.context_budget = int(budget * context_share)
+        self.step_lines = step_lines
+        self.stop_ids = [i for s in template.stop_tokens if (i := tokenizer.token_id(s)) is not None]
+        self._special: dict[str, int] = {}
+        for marker in (template.prefix, template.suffix, template.middle, template.file_sep):
+            if marker is None:
+                continue
+            token_id = tokenizer.token_id(marker)
+            if token_id is None:
+                raise ValueError(f"template {template.name!r} needs token {marker!r}, "
+                                 f"which the tokenizer does not have")
+            self._special[marker] = token_id
+
+    def _marker(self, marker: str, text: str = "") -> list[int]:
+        ids = [self._special[marker]]
+        if self.template.marker_space and text:
+            ids += self.tok.encode(" ")
+        return ids
+
+    def header(self, path: str | None) -> list[int]:
+        """`<file_sep>path\\n`, the line that introduces a file (if the family has one)."""
+        if self.template.file_sep is None or path is None:
+            return []
+        return [self._special[self.template.file_sep]] + self.tok.encode(path + "\n")
+
+    def context_tokens(self, snippets: list[Snippet]) -> list[int]:
+        """Snippets in the client's order (most relevant first), whole, while they fit."""
+        out: list[int] = []
+        for snip in snippets:
+            ids = self.header(snip.uri) + self.tok.encode(snip.text)
+            if self.template.file_sep is None:
+                ids = self.tok.encode(f"# {snip.uri}\n{snip.text}\n")
+            if len(out) + len(ids) > self.context_budget:
+                break
+            out += ids
+        return out
+
+    def assemble(self, context: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+        """The template's order, with `context` (snippets and file header) first."""
+        t = self.template
+        if t.order == "spm":
+            return context + self._marker(t.prefix) + self._marker(t.suffix) + suffix + \
+                self._marker(t.middle) + prefix
+        return context + self._marker(t.prefix, "x") + prefix + self._marker(t.suffix) + suffix + \
+            self._marker(t.middle)
+
+    def fit_suffix(self, suffix: str) -> tuple[int, list[int]]:
+        """Whole lines of the suffix's head while they fit (at least the rest of the current line)."""
+        head = suffix[: self.suffix_budget * 8]  # bound the work on huge files
+        ids = self.tok.encode(head)
+        if len(ids) <= self.suffix_budget and len(head) == len(suffix):
+            return len(suffix), ids
+        end = len(head)
+        while end > 0:
+            end = head.rfind("\n", 0, end)
+            if end < 0:
+                break
+            ids = self.tok.encode(head[: end + 1])
+            if len(ids) <= self.suffix_budget:
+                return end + 1, ids
+        line_end = suffix.find("\n")
+        cut = line_end if 0 <= line_end else len(suffix)
+        ids = self.tok.encode(suffix[:cut])[: self.suffix_budget]
+        return len(self.tok.decode(ids)), ids
+
+    def fit_prefix(self, prefix: str, budget: int) -> tuple[int, list[int]]:
+        """The prefix tail that fits, starting at a line whose number is a
+        multiple of `step_lines`: typing at the cursor never moves that start
+        until the window overflows, and then it jumps a whole step, so the
+        tokens before the cursor (and their KV) stay the same keystroke after
+        keystroke."""
+        line_starts = [0] + [i + 1 for i, ch in enumerate(prefix) if ch == "\n"]
+        anchors = line_starts[:: self.step_lines]
+        # A token is at least one char: anchors further than budget*8 chars back
+        # cannot fit (code averages ~3 chars/token), so start near the cursor.
+        lo = bisect.bisect_left(anchors, len(prefix) - budget * 8)
+        for start in anchors[lo:]:
+            ids = self.tok.encode(prefix[start:])
+            if len(ids) <= budget:
+                return start, ids
+        # Even the last step is too long (very long lines): keep the tail tokens.
+        ids = self.tok.encode(prefix[-budget * 4:])[-budget:] if budget > 0 else []
+        return len(prefix) - len(self.tok.decode(ids)), ids
+
+    def build(self, prefix: str, suffix: str, path: str | None = None,
+              snippets: list[Snippet] | None = None) -> Prompt:
+        context = self.context_tokens(snippets or []) + self.header(path)
+        suffix_end, suffix_ids = self.fit_suffix(suffix)
+        overhead = len(self.assemble([], [], []))
+        prefix_budget = self.budget - len(context) - len(suffix_ids) - overhead
+        prefix_start, prefix_ids = self.fit_prefix(prefix, prefix_budget)
+        tokens = self.assemble(context, prefix_ids, suffix_ids)
+        return Prompt(tokens=tokens, window=Window(prefix_start, suffix_end), prefix_tokens=len(prefix_ids))

@@ -1,0 +1,101 @@
+"""Tokenizer wrapper over HF `tokenizers`, plus training of our byte-level BPE."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Special tokens of the embedded default models (names follow Qwen2.5-Coder's,
+# so one template family serves both).
+END_OF_TEXT = "<|endoftext|>"
+FIM_PREFIX = "<|fim_prefix|>"
+FIM_MIDDLE = "<|fim_middle|>"
+FIM_SUFFIX = "<|fim_suffix|>"
+FILE_SEP = "<|file_sep|>"
+DEFAULT_SPECIAL_TOKENS = [END_OF_TEXT, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FILE_SEP]
+
+
+class TextTokenizer:
+    """Text <-> ids, and lookups of special tokens by their text."""
+
+    def __init__(self, tokenizer: Tokenizer, path: Path | None = None):
+        self.tokenizer = tokenizer
+        self.path = path
+        self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TextTokenizer":
+        return cls(Tokenizer.from_file(str(path)), Path(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids; special-token strings inside `text` stay plain text."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """Raw bytes of `ids` (byte-level BPE), so callers can hold back a split UTF-8 char."""
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_ids or not all(ch in _BYTE_DECODER for ch in piece):
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+
+    def token_id(self, text: str) -> int | None:
+        return self.tokenizer.token_to_id(text)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable mapping of the 256 byte values (used by ByteLevel BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+_BYTE_ENCODER = _bytes_to_unicode()
+_BYTE_DECODER = {ch: b for b, ch in _BYTE_ENCODER.items()}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -> TextTokenizer:
+    """Train a byte-level BPE with our special tokens; writes tokenizer.json and
+    tokenizer_config.json (so `transformers.AutoTokenizer` loads it too)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=DEFAULT_SPECIAL_TOKENS, min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    write_tokenizer_config(out_dir)
+    return TextTokenizer(tok, out_dir / "tokenizer.json")
+
+
+def write_tokenizer_config(out_dir: Path) -> None:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT,
+              "bos_token": None, "pad_token": END_OF_TEXT, "unk_token": None,
+              "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

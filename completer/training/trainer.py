@@ -1,0 +1,137 @@
+"""Seeded, resumable training of the default target and (by distillation) drafter.
+
+`run_dir/state.pt` holds weights, optimizer and step; it is rewritten every
+`checkpoint_minutes`, and so is the HF-format export in `run_dir/hf`. Running
+the same command again resumes from it; the data of step n is a pure function
+of (seed, n), so a resumed run trains on exactly what an unbroken one would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from completer.checkpoint import load_model, load_tokenizer, save_model
+from completer.model import ModelConfig, Transformer
+from completer.prompt import PromptBuilder, get_template
+from completer.tokenizer import END_OF_TEXT, TextTokenizer
+from completer.training.corpus import stdlib_corpus
+from completer.training.examples import ExampleMaker
+
+# The default models. Target: ~21M parameters, 42 MB in bf16 (more than the
+# 32 MiB L3 of the CPUs we serve on, so its decode is bound by memory traffic).
+# Drafter: at most 1/8 of that, so it sits in cache and drafts cheaply.
+TARGET = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=8192, hidden_size=512, intermediate_size=1408,
+    num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+    bos_token_id=None, eos_token_id=0)
+DRAFT = msgspec.structs.replace(
+    TARGET, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=3, num_key_value_heads=1)
+
+
+class TrainSpec(msgspec.Struct, frozen=True):
+    model: ModelConfig
+    steps: int
+    rows: int = 8
+    seq_len: int = 1024
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    seed: int = 0
+    teacher: str | None = None  # HF dir of the model to distil from
+    distill_weight: float = 0.9  # share of KL(teacher || student) in the loss
+
+
+def learning_rate(spec: TrainSpec, step: int) -> float:
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    progress = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
+
+
+def make_examples(tokenizer: TextTokenizer, seq_len: int) -> ExampleMaker:
+    builder = PromptBuilder(tokenizer, get_template("default"), budget=seq_len)
+    return ExampleMaker(stdlib_corpus(), builder, eot_id=tokenizer.token_id(END_OF_TEXT))
+
+
+def loss_for(model: Transformer, batch: torch.Tensor, spec: TrainSpec,
+             teacher: Transformer | None) -> torch.Tensor:
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(inputs)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    if teacher is None:
+        return ce
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        target_logp = F.log_softmax(teacher(inputs), dim=-1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean")
+    return spec.distill_weight * kl / inputs.shape[1] + (1 - spec.distill_weight) * ce
+
+
+def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minutes: float = 10,
+          log=print) -> Path:
+    """Train (or resume) until `spec.steps`; returns the HF export directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = Transformer(spec.model)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95),
+                            weight_decay=spec.weight_decay)
+    step = 0
+    state_path = run_dir / "state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if state["spec"] != msgspec.to_builtins(spec):
+            raise SystemExit(f"{state_path}: was written for other settings; use another --run-dir")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        log(f"resumed {state_path} at step {step}")
+    teacher = load_model(spec.teacher, "fp32") if spec.teacher else None
+    examples = make_examples(tokenizer, spec.seq_len)
+    log(f"{spec.model.num_parameters() / 1e6:.2f}M parameters, {spec.steps} steps of "
+        f"{spec.rows}x{spec.seq_len} tokens" + (f", distilling {spec.teacher}" if teacher else ""))
+
+    def checkpoint() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"spec": msgspec.to_builtins(spec), "model": model.state_dict(),
+                    "optimizer": opt.state_dict(), "step": step}, tmp)
+        tmp.replace(state_path)
+        save_model(model, run_dir / "hf", tokenizer)
+
+    started, last_save, first_step, smooth = time.time(), time.time(), step, None
+    model.train()
+    while step < spec.steps:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(spec, step)
+        batch = examples.batch(spec.seed, step, spec.rows, spec.seq_len)
+        loss = loss_for(model, batch, spec, teacher)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        smooth = loss.item() if smooth is None else 0.95 * smooth + 0.05 * loss.item()
+        if step % 10 == 0 or step == spec.steps:
+            elapsed = time.time() - started
+            per_step = elapsed / (step - first_step)
+            log(f"step {step}/{spec.steps}  loss {smooth:.3f}  "
+                f"{spec.rows * spec.seq_len / per_step:,.0f} tok/s  "
+                f"lr {learning_rate(spec, step):.2e}  ETA {(spec.steps - step) * per_step / 60:.1f} min")
+        if time.time() - last_save > checkpoint_minutes * 60:
+            checkpoint()
+            last_save = time.time()
+            log(f"checkpoint at step {step}")
+    checkpoint()
+    log(f"done: {run_dir / 'hf'}")
+    return run_dir / "hf"

@@ -1,0 +1,110 @@
+"""Loading errors name the file and the cause; our exports load in transformers."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from completer.checkpoint import CheckpointError, load_model, save_model
+from completer.loading import load
+from completer.model import ModelConfig, Transformer
+from completer.tokenizer import train_bpe
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=32,
+                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                   tie_word_embeddings=True, eos_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    tok = train_bpe(["def f(x):\n    return x + 1\n" * 50, "class A:\n    pass\n" * 50], 300, root / "tok")
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    model.init_weights()
+    save_model(model, root / "model", tok, dtype=torch.float32)
+    return root / "model"
+
+
+def copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "m")
+
+
+def test_export_loads_in_transformers_with_same_logits(saved):
+    ours = load_model(saved)
+    theirs = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    ids = torch.randint(0, TINY.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max() <= 1e-4
+
+
+def test_load_bundle_detects_default_template(saved):
+    loaded = load(saved)
+    assert loaded.template.name == "default"
+    assert loaded.model.config.num_hidden_layers == 2
+
+
+def test_missing_weights_file(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: file not found"):
+        load_model(d)
+
+
+def test_missing_shard(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: shard listed"):
+        load_model(d)
+
+
+def test_wrong_architecture(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(d)
+
+
+def test_mismatched_shape(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' "
+                                              r"has shape \(\d+, \d+\), config\.json implies"):
+        load_model(d)
+
+
+def test_missing_tensor(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    state = load_file(d / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' missing"):
+        load_model(d)
+
+
+def test_missing_config_and_tokenizer(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: file not found"):
+        load(d)
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json: file not found"):
+        load_model(d)
+
+
+def test_error_is_one_line(saved, tmp_path):
+    d = copy(saved, tmp_path)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError) as info:
+        load_model(d)
+    assert "\n" not in str(info.value) and "config.json" in str(info.value)
