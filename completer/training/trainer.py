@@ -78,8 +78,9 @@ def loss_for(model: Transformer, batch: torch.Tensor, spec: TrainSpec,
 
 
 def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minutes: float = 10,
-          log=print) -> Path:
-    """Train (or resume) until `spec.steps`; returns the HF export directory."""
+          log=print, stop_after: int | None = None) -> Path:
+    """Train (or resume) until `spec.steps`; returns the HF export directory.
+    `stop_after` ends this run early (with a checkpoint) after that many steps."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -111,7 +112,8 @@ def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minute
 
     started, last_save, first_step, smooth = time.time(), time.time(), step, None
     model.train()
-    while step < spec.steps:
+    last_step = spec.steps if stop_after is None else min(spec.steps, step + stop_after)
+    while step < last_step:
         for group in opt.param_groups:
             group["lr"] = learning_rate(spec, step)
         batch = examples.batch(spec.seed, step, spec.rows, spec.seq_len)
@@ -133,5 +135,5 @@ def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minute
             last_save = time.time()
             log(f"checkpoint at step {step}")
     checkpoint()
-    log(f"done: {run_dir / 'hf'}")
+    log(f"{'done' if step == spec.steps else 'paused'} at step {step}: {run_dir / 'hf'}")
     return run_dir / "hf"
