@@ -1,0 +1,1 @@
+"""The engine: paged warm KV cache, scheduling, speculative decoding, streaming."""

@@ -1,0 +1,70 @@
+"""The paged K/V tensors and the attention backend that reads them through
+block tables (a torch gather + fp32 SDPA; the GPU path swaps in a Triton
+paged-attention kernel that needs no gather copy).
+
+Layout: `k[layer]` is [num_blocks * block_size, kv_heads, head_dim], so the
+K/V of token t of a sequence sit at slot `table[t // bs] * bs + t % bs`. A
+block is a contiguous [block_size, kv_heads, head_dim] slab, simple to fill
+from another process (disaggregated prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from completer.model import ModelConfig, attention_fp32
+
+
+def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks of K and V fit in `budget_mb`."""
+    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
+        torch.tensor([], dtype=dtype).element_size()
+    return int(budget_mb * 2**20 // per_block)
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+
+class PagedBatch:
+    """One forward pass over B sequences, each bringing new tokens at given
+    positions (padded to the longest). Implements `model.AttentionBackend`."""
+
+    def __init__(self, pool: KVPool, tables: list[list[int]], positions: torch.Tensor,
+                 num_new: list[int]):
+        """positions: [B, T] of the new tokens (padding past num_new[b] is ignored)."""
+        bs = pool.block_size
+        self.pool = pool
+        device = pool.k.device
+        B, T = positions.shape
+        context = [int(positions[b, n - 1]) + 1 for b, n in enumerate(num_new)]
+        span = max(context)
+        # Slot of every cached position each row reads (scratch block 0 past its end).
+        read = torch.zeros(B, span, dtype=torch.long)
+        for b, table in enumerate(tables):
+            blocks = torch.tensor(table[: -(-context[b] // bs)], dtype=torch.long)
+            slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[: context[b]]
+            read[b, : context[b]] = slots
+        valid = torch.arange(T)[None, :] < torch.tensor(num_new)[:, None]
+        write = read.gather(1, positions.clamp(max=span - 1))
+        self.write_slots = write[valid].to(device)  # only real tokens are written
+        self.valid = valid.to(device)
+        self.read_slots = read.to(device)
+        keys = torch.arange(span)[None, None, None, :]
+        self.mask = (keys <= positions[:, None, :, None]).to(device)  # [B, 1, T, S]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        # [B, H, T, D] -> the real tokens' [N, H, D], into their slots.
+        kp[self.write_slots] = k.transpose(1, 2)[self.valid].to(kp.dtype)
+        vp[self.write_slots] = v.transpose(1, 2)[self.valid].to(vp.dtype)
+        keys = kp[self.read_slots].transpose(1, 2)  # [B, Hkv, S, D]
+        values = vp[self.read_slots].transpose(1, 2)
+        return attention_fp32(q, keys, values, self.mask)
