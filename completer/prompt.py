@@ -44,7 +44,8 @@ class FimTemplate(msgspec.Struct, frozen=True):
     stop_tokens: tuple[str, ...]
     file_sep: str | None = None
     order: Literal["psm", "spm"] = "psm"
-    # CodeLlama puts a space between its markers and the texts.
+    # CodeLlama's spacing: "<PRE> {prefix} <SUF>{suffix} <MID>" (PSM) and
+    # "<PRE> <SUF>{suffix} <MID> {prefix}" (SPM).
     marker_space: bool = False
 
 
@@ -110,6 +111,7 @@ class PromptBuilder:
         self.step_lines = step_lines
         self.stop_ids = [i for s in template.stop_tokens if (i := tokenizer.token_id(s)) is not None]
         self._special: dict[str, int] = {}
+        self._space = tokenizer.encode(" ") if template.marker_space else []
         for marker in (template.prefix, template.suffix, template.middle, template.file_sep):
             if marker is None:
                 continue
@@ -118,12 +120,6 @@ class PromptBuilder:
                 raise ValueError(f"template {template.name!r} needs token {marker!r}, "
                                  f"which the tokenizer does not have")
             self._special[marker] = token_id
-
-    def _marker(self, marker: str, text: str = "") -> list[int]:
-        ids = [self._special[marker]]
-        if self.template.marker_space and text:
-            ids += self.tok.encode(" ")
-        return ids
 
     def header(self, path: str | None) -> list[int]:
         """`<file_sep>path\\n`, the line that introduces a file (if the family has one)."""
@@ -145,12 +141,11 @@ class PromptBuilder:
 
     def assemble(self, context: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
         """The template's order, with `context` (snippets and file header) first."""
-        t = self.template
+        t, sp = self.template, self._space
+        pre, suf, mid = self._special[t.prefix], self._special[t.suffix], self._special[t.middle]
         if t.order == "spm":
-            return context + self._marker(t.prefix) + self._marker(t.suffix) + suffix + \
-                self._marker(t.middle) + prefix
-        return context + self._marker(t.prefix, "x") + prefix + self._marker(t.suffix) + suffix + \
-            self._marker(t.middle)
+            return context + [pre] + sp + [suf] + suffix + sp + [mid] + sp + prefix
+        return context + [pre] + sp + prefix + sp + [suf] + suffix + sp + [mid]
 
     def fit_suffix(self, suffix: str) -> tuple[int, list[int]]:
         """Whole lines of the suffix's head while they fit (at least the rest of the current line)."""
@@ -167,28 +162,70 @@ class PromptBuilder:
             if len(ids) <= self.suffix_budget:
                 return end + 1, ids
         line_end = suffix.find("\n")
-        cut = line_end if 0 <= line_end else len(suffix)
-        ids = self.tok.encode(suffix[:cut])[: self.suffix_budget]
-        return len(self.tok.decode(ids)), ids
+        cut = line_end if 0 <= line_end < len(head) else len(head)  # bounded, as `head`
+        # Decoding cut tokens may end in a partial char: re-encode whole chars.
+        end = len(self.tok.decode(self.tok.encode(suffix[:cut])[: self.suffix_budget]))
+        while len(ids := self.tok.encode(suffix[:end])) > self.suffix_budget:
+            end -= 1
+        return end, ids
 
     def fit_prefix(self, prefix: str, budget: int) -> tuple[int, list[int]]:
         """The prefix tail that fits, starting at a line whose number is a
         multiple of `step_lines`: typing at the cursor never moves that start
         until the window overflows, and then it jumps a whole step, so the
         tokens before the cursor (and their KV) stay the same keystroke after
-        keystroke."""
+        keystroke. Where that would keep less than half the budget (`step_lines`
+        lines are too many for it), the step is halved, down to single lines;
+        a line too long on its own is cut at a char offset on a similar grid."""
+        if budget <= 0:
+            return len(prefix), []
         line_starts = [0] + [i + 1 for i, ch in enumerate(prefix) if ch == "\n"]
-        anchors = line_starts[:: self.step_lines]
-        # A token is at least one char: anchors further than budget*8 chars back
-        # cannot fit (code averages ~3 chars/token), so start near the cursor.
-        lo = bisect.bisect_left(anchors, len(prefix) - budget * 8)
-        for start in anchors[lo:]:
-            ids = self.tok.encode(prefix[start:])
-            if len(ids) <= budget:
-                return start, ids
-        # Even the last step is too long (very long lines): keep the tail tokens.
-        ids = self.tok.encode(prefix[-budget * 4:])[-budget:] if budget > 0 else []
-        return len(prefix) - len(self.tok.decode(ids)), ids
+        fit = self._fit_on_grid(prefix, line_starts, budget, self.step_lines)
+        if fit is None:
+            chars = range(line_starts[-1], len(prefix) + 1)
+            fit = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2))
+        assert fit is not None  # the empty tail always fits
+        return fit
+
+    def _fit_on_grid(self, prefix: str, starts, budget: int, step: int) -> tuple[int, list[int]] | None:
+        """The earliest of `starts` (sorted char offsets) whose index is a multiple
+        of `step` and from which the prefix fits, halving `step` while that keeps
+        less than half the budget; None if none of `starts` fits."""
+        # The word at the cursor (from the last whitespace, within 32 chars) is
+        # counted as at least `margin` tokens: merges make its count dip while it
+        # is typed, and a dip must not flip the window back and forth.
+        tail = prefix[-32:]
+        word = len(prefix) - len(tail) + max(0, *(tail.rfind(c) for c in " \t\n"))
+        margin = min(8, budget // 4)
+
+        def cost(start: int) -> int:
+            exact = len(self.tok.encode(prefix[start:word])) if start < word else 0
+            return exact + max(margin, len(self.tok.encode(prefix[max(start, word):])))
+
+        # Fewer tokens the later the start: binary-search the earliest start that
+        # fits. Code averages ~3 chars/token, so starts further than budget*8
+        # chars back cannot fit and are not tried.
+        lo, hi = bisect.bisect_left(starts, len(prefix) - budget * 8), len(starts)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(starts[mid]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        first, step = lo, max(1, step)
+        while first < len(starts):
+            i = -(-first // step) * step  # the first start on the grid that fits
+            if i < len(starts) and (i == first or 2 * cost(starts[i]) >= budget):
+                ids = self.tok.encode(prefix[starts[i]:])
+                if len(ids) <= budget:
+                    return starts[i], ids
+                if i == first:  # `cost` was short (odd tokenizations): try the next start
+                    first += 1
+                    continue
+            if step == 1:
+                break
+            step //= 2
+        return None
 
     def build(self, prefix: str, suffix: str, path: str | None = None,
               snippets: list[Snippet] | None = None) -> Prompt:

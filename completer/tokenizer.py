@@ -23,6 +23,9 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, path: Path | None = None):
         self.tokenizer = tokenizer
+        # Document text that spells a special token ("<|endoftext|>" in a source
+        # file) must stay text; prompts insert special tokens by id.
+        self.tokenizer.encode_special_tokens = True
         self.path = path
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 

@@ -103,15 +103,16 @@ class BlockManager:
 
     def register(self, table: list[int], tokens: list[int], num_computed: int) -> None:
         """Publish the full blocks whose K/V is computed (of tokens[:num_computed])."""
+        full = num_computed // self.block_size
+        self.register_hashes(table, chain_hashes(tokens[: full * self.block_size], self.block_size))
+
+    def register_hashes(self, table: list[int], hashes: list[int]) -> None:
+        """Publish table[i] under hashes[i] (its chained hash), unless already cached."""
         if not self.prefix_cache:
             return
-        full = num_computed // self.block_size
-        for i, h in enumerate(chain_hashes(tokens[: full * self.block_size], self.block_size)):
-            block = table[i]
-            if self.block_hash[block] is not None:
-                continue  # already published (matched or registered before)
-            if h in self.cached:
-                continue  # same content computed twice concurrently; keep the first
+        for block, h in zip(table, hashes):
+            if self.block_hash[block] is not None or h in self.cached:
+                continue  # already published, or the same content computed twice
             self.block_hash[block] = h
             self.cached[h] = block
 

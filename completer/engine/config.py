@@ -1,0 +1,28 @@
+"""The engine's config sections (`[engine]`, `[spec]`); every speed feature has a switch."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prefix_cache: bool = True  # reuse cached KV across requests
+    kv_cache_mb: float = 256.0  # KV block pool budget (target and drafter together)
+    block_size: int = 16  # tokens per KV block
+    max_running: int = 32  # sequences decoded together
+    max_queue: int = 64  # waiting requests beyond this are refused (overloaded)
+    prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing
+    max_tokens: int = 64  # default per request
+    deadline_ms: float = 2000.0  # default per request
+
+
+class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    draft_model: bool = True  # drafter proposals
+    ngram: bool = True  # n-gram proposals from the prompt and output
+    max_batch: int = 8  # speculation off above this running batch size
+    k_init: int = 4  # initial draft length
+    k_min: int = 1
+    k_max: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_share: float = 0.15  # share of kv_cache_mb given to the drafter's cache

@@ -1,0 +1,143 @@
+"""The engine's async face: submit a request, iterate its deltas, get the final
+result; cancel by id. The loop itself runs on one thread (torch releases the
+GIL in its kernels, so the asyncio event loop stays responsive) and hands its
+events back with `call_soon_threadsafe`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.core import Delta, EngineCore, EngineError, Finished, Request
+from completer.engine.model_runner import CachedModel
+from completer.engine.paged_kv import pool_blocks
+from completer.loading import LoadedModel
+
+
+class RequestStream:
+    """Deltas of one request as they are accepted, then its `Finished`."""
+
+    def __init__(self, request_id: str):
+        self.id = request_id
+        self.queue: asyncio.Queue[Delta | Finished | EngineError] = asyncio.Queue()
+        self.result: Finished | None = None
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
+        while self.result is None:
+            event = await self.queue.get()
+            if isinstance(event, EngineError):
+                raise event
+            if isinstance(event, Finished):
+                self.result = event
+                return
+            yield event
+
+    async def finished(self) -> Finished:
+        """Drain the stream; the final event."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class Engine:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._inbox: list[tuple[str, object]] = []
+        self._cond = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}
+        self._latest: dict[str, str] = {}  # supersede key -> request id
+        self._key_of: dict[str, str] = {}  # request id -> supersede key
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def build(cls, target: LoadedModel, draft: LoadedModel | None,
+              config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig()) -> "Engine":
+        use_draft = draft is not None and spec.draft_model
+        share = spec.draft_share if use_draft else 0.0
+        blocks = pool_blocks(target.model.config, config.kv_cache_mb * (1 - share), config.block_size,
+                             torch.float32)
+        target_cache = CachedModel(target.model, blocks, config.block_size, config.prefix_cache)
+        draft_cache = None
+        if use_draft:
+            draft_blocks = pool_blocks(draft.model.config, config.kv_cache_mb * share,
+                                       config.block_size, torch.float32)
+            draft_cache = CachedModel(draft.model, draft_blocks, config.block_size, config.prefix_cache)
+        builder = target.prompt_builder(1)
+        core = EngineCore(target_cache, draft_cache, target.tokenizer, builder.stop_ids, config, spec)
+        return cls(core)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="completer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: Request, supersede: str | None = None) -> RequestStream:
+        """Queue a request; with `supersede`, cancel the in-flight request that
+        was submitted under the same key (a newer keystroke in the same document)."""
+        stream = RequestStream(request.id)
+        self._streams[request.id] = stream
+        with self._cond:
+            if supersede is not None:
+                if (old := self._latest.get(supersede)) is not None:
+                    self._inbox.append(("cancel", old))
+                self._latest[supersede] = request.id
+                self._key_of[request.id] = supersede
+            self._inbox.append(("add", request))
+            self._cond.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(("cancel", request_id))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            with self._cond:
+                while not self._inbox and not core.has_work and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            events: list = []
+            for op, arg in inbox:
+                if op == "cancel":
+                    core.cancel(arg)
+                    continue
+                try:
+                    core.add(arg)
+                except EngineError as e:
+                    events.append((arg.id, e))
+            events += [(e.id, e) for e in core.step()] if core.has_work else []
+            if events:
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list) -> None:
+        for request_id, event in events:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(event)
+            if isinstance(event, (Finished, EngineError)):
+                del self._streams[request_id]
+                key = self._key_of.pop(request_id, None)
+                if key is not None and self._latest.get(key) == request_id:
+                    del self._latest[key]

@@ -1,0 +1,128 @@
+"""From accepted tokens to streamed text: incremental UTF-8 decoding, the
+modes' ends, stop strings, and trimming (text that repeats what follows the
+cursor, degenerate repetition).
+
+Text that might still be trimmed (a possible start of a stop string, a tail
+that duplicates the suffix) is held back, so a delta once sent is never
+retracted and the deltas always concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Callable
+
+from completer.generate import line_mode_end
+
+
+def indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def block_end(text: str, cursor_line: str) -> int | None:
+    """Where a `block` completion ends: before the first later non-empty line
+    indented less than the block. `cursor_line` is the prefix's last line:
+    blank (the cursor sits in an indented empty line: the block is that
+    indentation) or code (the block is what gets indented under it)."""
+    base = indent_of(cursor_line)
+    inside = base if not cursor_line.strip() else base + 1
+    lines = text.split("\n")
+    offset = len(lines[0]) + 1
+    for line in lines[1:]:  # a partial last line counts once it shows code
+        if line.strip() and indent_of(line) < inside:
+            return offset - 1
+        offset += len(line) + 1
+    return None
+
+
+def repetition_start(text: str, min_repeats: int = 6, max_period: int = 16) -> int | None:
+    """If `text` ends in a short pattern repeated `min_repeats` times, where the
+    first copy ends (the rest is degenerate)."""
+    for period in range(1, max_period + 1):
+        span = period * min_repeats
+        if len(text) < span or not text[-period:].strip():
+            continue
+        unit = text[-period:]
+        if text[-span:] == unit * min_repeats:
+            start = len(text) - span
+            while start >= period and text[start - period: start] == unit:
+                start -= period
+            return start + period
+    return None
+
+
+def overlap_with_suffix(text: str, suffix_line: str) -> int:
+    """Length of the longest tail of `text` that begins `suffix_line` (a closing
+    bracket the editor already has, say)."""
+    for n in range(min(len(text), len(suffix_line)), 0, -1):
+        if text.endswith(suffix_line[:n]):
+            return n
+    return 0
+
+
+class OutputText:
+    """Accumulates a request's text token by token; says what may be sent."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], mode: str, stop: tuple[str, ...],
+                 cursor_line: str = "", suffix: str = ""):
+        self.token_bytes = token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.mode = mode
+        self.stop = tuple(s for s in stop if s)
+        self.cursor_line = cursor_line
+        nl = suffix.find("\n")
+        self.suffix_line = (suffix if nl < 0 else suffix[:nl]).rstrip()
+        self.text = ""
+        self.emitted = 0  # chars of `text` already sent
+
+    def _end(self) -> int | None:
+        """Where the text ends by mode or stop string, if it has ended."""
+        ends = []
+        if self.mode == "line":
+            ends.append(line_mode_end(self.text))
+        elif self.mode == "block":
+            ends.append(block_end(self.text, self.cursor_line))
+        ends += [i if (i := self.text.find(s)) >= 0 else None for s in self.stop]
+        found = [e for e in ends if e is not None]
+        return min(found) if found else None
+
+    def _holdback(self) -> int:
+        """Chars at the end that might yet be trimmed."""
+        hold = overlap_with_suffix(self.text, self.suffix_line) if self.suffix_line else 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        if self.mode != "free":  # the end of a line may still be cut
+            hold = max(hold, len(self.text) - len(self.text.rstrip()))
+        return hold
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append a token; returns (text that may be sent now, whether it ended)."""
+        self.text += self.decoder.decode(self.token_bytes(token_id))
+        end = self._end()
+        if end is not None:
+            self.text = self.text[:end]
+            return "", True
+        # `free` mode ends only at max_tokens, stop strings and end of text.
+        if self.mode != "free" and (rep := repetition_start(self.text)) is not None:
+            self.text = self.text[: max(rep, self.emitted)]
+            return "", True
+        safe = max(len(self.text) - self._holdback(), self.emitted)
+        delta, self.emitted = self.text[self.emitted: safe], safe
+        return delta, False
+
+    def finish(self) -> str:
+        """Final trim; returns the last delta (what was held back and survives)."""
+        self.text += self.decoder.decode(b"", final=True)
+        trimmed = self.text
+        if self.mode != "free":
+            trimmed = trimmed.rstrip()
+        if self.suffix_line:
+            trimmed = trimmed[: len(trimmed) - overlap_with_suffix(trimmed, self.suffix_line)]
+        # Both are prefixes of the text: never retract what was already sent.
+        self.text = trimmed if len(trimmed) >= self.emitted else self.text[: self.emitted]
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta

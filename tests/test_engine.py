@@ -1,0 +1,191 @@
+"""The engine on small random models: speculation never changes greedy output,
+batching never changes output, blocks always return to the pool, and the
+cancel / deadline / stop behaviours hold."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.core import EngineCore, EngineError, Finished, Request
+from completer.engine.model_runner import CachedModel
+from completer.engine.sequence import SamplingParams
+from completer.engine.engine import Engine
+from completer.model import ModelConfig, Transformer
+from completer.tokenizer import train_bpe
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=320, hidden_size=48,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12, max_position_embeddings=1024)
+SMALL = ModelConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
+                       "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+                       "head_dim": 8, "num_hidden_layers": 1})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 30
+    return train_bpe([text], 320, tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target = Transformer(CFG).eval()
+    target.init_weights(0.3)  # peaky distributions: greedy paths that repeat
+    other = Transformer(SMALL).eval()
+    other.init_weights(0.3)
+    return target, other
+
+
+def make_core(models, tokenizer, draft="other", blocks=400, config=None, spec=None, bs=4):
+    target, other = models
+    config = config or EngineConfig(block_size=bs, prefill_chunk=64)
+    spec = spec or SpecConfig()
+    drafter = {"other": other, "same": copy.deepcopy(target), None: None}[draft]
+    t = CachedModel(target, blocks, bs, config.prefix_cache)
+    d = CachedModel(drafter, blocks, bs, config.prefix_cache) if drafter is not None else None
+    return EngineCore(t, d, tokenizer, [0], config, spec)
+
+
+def prompts(n, seed=0, length=(20, 60)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        size = int(torch.randint(*length, (1,), generator=g))
+        base = torch.randint(5, 320, (8,), generator=g).tolist()
+        out.append((base * 10)[:size])  # repetitive: n-gram proposals fire
+    return out
+
+
+def run(core, requests):
+    for r in requests:
+        core.add(r)
+    done = {}
+    texts = {r.id: "" for r in requests}
+    while core.has_work:
+        for e in core.step():
+            if isinstance(e, Finished):
+                done[e.id] = e
+            else:
+                texts[e.id] += e.text
+    for rid, f in done.items():
+        assert f.text == texts[rid], "deltas must concatenate to the final text"
+    return done
+
+
+def free_mode(n=24):
+    return SamplingParams(max_tokens=n, mode="free")
+
+
+def greedy_reference(models, prompt, n):
+    target = models[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(target(torch.tensor([ids]))[0, -1].argmax())
+            if nxt == 0:
+                break
+            ids.append(nxt)
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("draft, ngram", [(None, False), ("other", False), ("same", False),
+                                          (None, True), ("other", True)])
+def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, ngram):
+    core = make_core(models, tokenizer, draft=draft, spec=SpecConfig(ngram=ngram))
+    ps = prompts(12)
+    done = run(core, [Request(str(i), p, free_mode()) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        want = tokenizer.decode(greedy_reference(models, p, 24))
+        assert done[str(i)].text == want, (draft, ngram, i)
+    if draft == "same":  # a perfect drafter: every draft accepted
+        t = done["0"].timings
+        assert t.draft_proposed > 0 and t.draft_accepted == t.draft_proposed
+    assert core.target.blocks.usage() == 0
+
+
+def test_sixteen_concurrent_equal_one_by_one(models, tokenizer):
+    ps = prompts(16, seed=3)
+    together = run(make_core(models, tokenizer), [Request(str(i), p, free_mode()) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        alone = run(make_core(models, tokenizer), [Request("x", p, free_mode())])["x"]
+        assert together[str(i)].text == alone.text
+
+
+def test_prefix_cache_reuses_and_matches_cold(models, tokenizer):
+    core = make_core(models, tokenizer)
+    p = prompts(1, seed=5, length=(50, 51))[0]
+    first = run(core, [Request("a", p, free_mode())])["a"]
+    second = run(core, [Request("b", p + [7], free_mode())])["b"]
+    cold = run(make_core(models, tokenizer, config=EngineConfig(block_size=4, prefix_cache=False)),
+               [Request("c", p + [7], free_mode())])["c"]
+    assert first.timings.cached_tokens == 0
+    assert second.timings.cached_tokens == 48
+    assert cold.timings.cached_tokens == 0 and second.text == cold.text
+
+
+def test_small_cache_evicts_and_stays_correct(models, tokenizer):
+    ps = prompts(10, seed=7)
+    small = make_core(models, tokenizer, blocks=40)  # forces eviction and queueing
+    done = run(small, [Request(str(i), p, free_mode(16)) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert done[str(i)].text == tokenizer.decode(greedy_reference(models, p, 16))
+    assert small.target.blocks.usage() == 0 and small.draft.blocks.usage() == 0
+
+
+def test_cancel_frees_blocks(models, tokenizer):
+    core = make_core(models, tokenizer)
+    ps = prompts(4, seed=9)
+    for i, p in enumerate(ps):
+        core.add(Request(str(i), p, free_mode(40)))
+    core.step()
+    core.step()
+    assert core.target.blocks.usage() > 0
+    for i in range(4):
+        core.cancel(str(i))
+    events = core.step()
+    reasons = {e.id: e.reason for e in events if isinstance(e, Finished)}
+    assert reasons == {str(i): "cancelled" for i in range(4)}
+    assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
+    assert all(c == 0 for c in core.target.blocks.ref_count)
+
+
+def test_deadline_and_length(models, tokenizer):
+    core = make_core(models, tokenizer)
+    p = prompts(1)[0]
+    done = run(core, [Request("d", p, SamplingParams(max_tokens=50, mode="free", deadline_s=0.0)),
+                      Request("l", p, SamplingParams(max_tokens=5, mode="free"))])
+    assert done["d"].reason == "deadline"
+    assert done["l"].reason == "length" and done["l"].timings.generated_tokens == 5
+
+
+def test_overloaded_and_too_large(models, tokenizer):
+    core = make_core(models, tokenizer, blocks=20, config=EngineConfig(block_size=4, max_queue=2))
+    with pytest.raises(EngineError) as e:
+        core.add(Request("big", list(range(5, 200)), free_mode()))
+    assert e.value.code == "too_large"
+    core.add(Request("1", [5, 6], free_mode()))
+    core.add(Request("2", [5, 6], free_mode()))
+    with pytest.raises(EngineError) as e:
+        core.add(Request("3", [5, 6], free_mode()))
+    assert e.value.code == "overloaded"
+
+
+async def test_async_engine_streams_and_supersedes(models, tokenizer):
+    engine = Engine(make_core(models, tokenizer))
+    engine.start()
+    try:
+        p = prompts(1)[0]
+        first = engine.submit(Request("1", p, free_mode(60)), supersede="conn:file.py")
+        second = engine.submit(Request("2", p + [9], free_mode(8)), supersede="conn:file.py")
+        r1, r2 = await asyncio.wait_for(asyncio.gather(first.finished(), second.finished()), 30)
+        assert r1.reason == "cancelled"
+        assert r2.reason == "length"
+        deltas = [d.text async for d in engine.submit(Request("3", p, free_mode(6)))]
+        assert len(deltas) >= 1
+    finally:
+        engine.stop()
+    assert engine.core.target.blocks.usage() == 0

@@ -1,0 +1,242 @@
+"""FIM prompt templates and window fitting, on a small byte-level BPE trained here."""
+
+import pytest
+from tokenizers import Tokenizer
+
+from completer.prompt import TEMPLATES, PromptBuilder, Snippet, Window, get_template
+from completer.tokenizer import TextTokenizer, train_bpe
+from completer.training.corpus import read_python_files, stdlib_root
+
+FAMILY_TOKENS = {
+    "default": [],
+    "qwen2.5-coder": ["<|fim_pad|>", "<|repo_name|>", "<|im_end|>"],
+    "starcoder": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"],
+    "codellama": ["<PRE>", "<SUF>", "<MID>", "<EOT>", "</s>"],
+}
+P, S = "def f(x):\n    return x", " + 1\n\nprint(f(2))\n"
+
+
+@pytest.fixture(scope="session")
+def files():
+    root = stdlib_root()
+    return read_python_files(root / "json")[:5], read_python_files(root / "email")
+
+
+@pytest.fixture(scope="session")
+def toks(files, tmp_path_factory):
+    base = train_bpe([f.text for f in files[0] + files[1][:5]], vocab_size=600,
+                     out_dir=tmp_path_factory.mktemp("tok"))
+    out = {}
+    for family, extra in FAMILY_TOKENS.items():
+        copy = Tokenizer.from_str(base.tokenizer.to_str())
+        copy.add_special_tokens(extra)
+        out[family] = TextTokenizer(copy)
+    return out
+
+
+@pytest.fixture(scope="session")
+def doc(files):
+    """3000 lines of real code; the cursor sits mid-line 1500."""
+    lines = "".join(f.text for f in files[1]).splitlines(keepends=True)[:3000]
+    cursor = sum(map(len, lines[:1500])) + 9
+    text = "".join(lines)
+    return text[:cursor], text[cursor:]
+
+
+def builder(toks, name, budget=256, order=None, **kw):
+    return PromptBuilder(toks[name], get_template(name, order), budget, **kw)
+
+
+def parts(b, prompt):
+    """(prefix ids, suffix ids) of a prompt without context, in either order."""
+    t, toks = b.template, prompt.tokens
+    sp = len(b.tok.encode(" ")) if t.marker_space else 0  # CodeLlama's spaces
+    suf, mid = toks.index(b._special[t.suffix]), toks.index(b._special[t.middle])
+    pre_ids = toks[len(toks) - prompt.prefix_tokens:] if t.order == "spm" else \
+        toks[toks.index(b._special[t.prefix]) + 1 + sp: suf - sp]
+    return pre_ids, toks[suf + 1: mid - sp]
+
+
+def lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_layout_per_template(toks, name):
+    tk, t = toks[name], TEMPLATES[name]
+    pre, suf, mid = (tk.token_id(m) for m in (t.prefix, t.suffix, t.middle))
+    assert len({pre, suf, mid}) == 3 and None not in (pre, suf, mid)
+    enc, sp = tk.encode, tk.encode(" ")
+    expected = {
+        "default": [pre, suf] + enc(S) + [mid] + enc(P),
+        "qwen2.5-coder": [pre] + enc(P) + [suf] + enc(S) + [mid],
+        "starcoder": [pre, suf] + enc(S) + [mid] + enc(P),
+        "codellama": [pre] + sp + enc(P) + sp + [suf] + enc(S) + sp + [mid],
+    }[name]
+    b = builder(toks, name)
+    prompt = b.build(P, S)
+    assert prompt.tokens == expected
+    assert prompt.window == Window(0, len(S)) and prompt.prefix_tokens == len(enc(P))
+    assert b.stop_ids == [tk.token_id(s) for s in t.stop_tokens]
+    if name == "codellama":
+        assert tk.decode(prompt.tokens) == f"<PRE> {P} <SUF>{S} <MID>"
+        spm = builder(toks, name, order="spm").build(P, S)
+        assert tk.decode(spm.tokens) == f"<PRE> <SUF>{S} <MID> {P}"
+
+
+def test_order_override_and_errors(toks):
+    qwen = TEMPLATES["qwen2.5-coder"]
+    spm = get_template("qwen2.5-coder", order="spm")
+    assert spm.order == "spm" and qwen.order == "psm" and get_template("default", "psm").order == "psm"
+    tk = toks["qwen2.5-coder"]
+    ids = PromptBuilder(tk, spm, 256).build(P, S).tokens
+    assert ids == [tk.token_id(qwen.prefix), tk.token_id(qwen.suffix)] + tk.encode(S) + \
+        [tk.token_id(qwen.middle)] + tk.encode(P)
+    with pytest.raises(ValueError, match="no-such-model"):
+        get_template("no-such-model")
+    with pytest.raises(ValueError, match="'pms'"):
+        get_template("default", order="pms")
+    with pytest.raises(ValueError, match="<fim_prefix>"):
+        PromptBuilder(toks["default"], TEMPLATES["starcoder"], 256)
+    with pytest.raises(ValueError, match="<PRE>"):
+        PromptBuilder(toks["default"], TEMPLATES["codellama"], 256)
+
+
+def check_window(b, prompt, prefix, suffix):
+    """The prompt is within budget and its texts are exactly the window's texts."""
+    assert len(prompt.tokens) <= b.budget
+    pre_ids, suf_ids = parts(b, prompt)
+    w = prompt.window
+    assert b.tok.decode(pre_ids) == prefix[w.prefix_start:]
+    assert b.tok.decode(suf_ids) == suffix[:w.suffix_end]
+    assert len(suf_ids) <= b.suffix_budget
+    return pre_ids, suf_ids
+
+
+@pytest.mark.parametrize("name", ["default", "qwen2.5-coder"])
+def test_window_on_long_document(toks, doc, name):
+    prefix, suffix = doc
+    b = builder(toks, name, step_lines=8)
+    prompt = b.build(prefix, suffix)
+    pre_ids, suf_ids = check_window(b, prompt, prefix, suffix)
+    w = prompt.window
+    # Prefix: the tail from a line start on the step grid, as far back as fits.
+    assert 0 < w.prefix_start < len(prefix) and prefix[w.prefix_start - 1] == "\n"
+    line = prefix.count("\n", 0, w.prefix_start)
+    assert line % 8 == 0 and line > 1400
+    prefix_budget = b.budget - len(suf_ids) - len(b.assemble([], [], []))
+    earlier = prefix.rfind("\n", 0, w.prefix_start)
+    for _ in range(7):
+        earlier = prefix.rfind("\n", 0, earlier)
+    assert len(b.tok.encode(prefix[earlier + 1:])) > prefix_budget
+    # Suffix: the head, whole lines, as many as fit.
+    assert 0 < w.suffix_end < len(suffix) and suffix[w.suffix_end - 1] == "\n"
+    next_end = suffix.find("\n", w.suffix_end) + 1
+    assert len(b.tok.encode(suffix[:next_end])) > b.suffix_budget
+    assert len(prompt.tokens) > 0.8 * b.budget
+
+
+def test_typing_keeps_the_window_and_the_tokens_before_the_cursor(toks, doc, files):
+    prefix, suffix = doc
+    typed = files[1][7].text[5000:5200]  # 200 chars of real code, newlines included
+    runs = {}
+    for name, order in (("default", "spm"), ("qwen2.5-coder", "psm")):
+        b = builder(toks, name, order=order, step_lines=32)
+        prompts = [b.build(prefix + typed[:k], suffix) for k in range(len(typed) + 1)]
+        for k, p in enumerate(prompts):
+            check_window(b, p, prefix + typed[:k], suffix)
+            assert len(p.tokens) > 0.5 * b.budget
+            start_line = prefix.count("\n", 0, p.window.prefix_start)
+            assert start_line % 4 == 0  # a coarse grid even when 32 lines do not fit
+        starts = [p.window.prefix_start for p in prompts]
+        assert starts == sorted(starts)  # the window only ever moves forward
+        changes = sum(a != c for a, c in zip(starts, starts[1:]))
+        assert changes <= 3, (name, changes)
+        steady = [(a, c) for a, c in zip(prompts, prompts[1:]) if a.window == c.window]
+        assert len(steady) >= len(typed) - 3
+        runs[name] = [len(c.tokens) - lcp(a.tokens, c.tokens) for a, c in steady]
+        if order == "spm":
+            # Only the last word before the cursor is re-tokenized.
+            assert all(lcp(a.tokens, c.tokens) >= len(a.tokens) - 6 for a, c in steady)
+        else:
+            # PSM: the whole suffix follows the edit, so every keystroke re-prefills it.
+            for a, c in steady:
+                assert len(c.tokens) - lcp(a.tokens, c.tokens) > len(parts(b, c)[1])
+    assert sum(runs["qwen2.5-coder"]) > 10 * sum(runs["default"])
+
+
+@pytest.mark.parametrize("name", ["default", "starcoder", "codellama"])
+def test_context_snippets(toks, name):
+    b = builder(toks, name)  # context_budget = 64
+    tk, t = b.tok, b.template
+    snips = [Snippet("a.py", "A = 1\n"), Snippet("b.py", "def b():\n    pass\n"),
+             Snippet("c.py", "import os\n" * 40), Snippet("d.py", "D = 4\n")]
+    prompt = b.build(P, S, path="m.py", snippets=snips)
+    text = tk.decode(prompt.tokens)
+    if t.file_sep:
+        head = f"{t.file_sep}a.py\nA = 1\n{t.file_sep}b.py\ndef b():\n    pass\n{t.file_sep}m.py\n"
+    else:
+        head = "# a.py\nA = 1\n\n# b.py\ndef b():\n    pass\n\n"
+    assert text.startswith(head + t.prefix)
+    assert "import os" not in text and "c.py" not in text  # dropped whole, not cut
+    ctx = b.context_tokens(snips)
+    assert len(ctx) <= b.context_budget and prompt.tokens[:len(ctx)] == ctx
+    assert len(prompt.tokens) <= b.budget
+    if t.file_sep:  # file separators are single special ids
+        assert prompt.tokens.count(tk.token_id(t.file_sep)) == 3
+    # A snippet over the budget on its own is not truncated either.
+    assert b.context_tokens([snips[2]]) == []
+
+
+def test_empty_prefix_and_suffix(toks):
+    b = builder(toks, "default")
+    tk, t = b.tok, b.template
+    pre, suf, mid = (tk.token_id(m) for m in (t.prefix, t.suffix, t.middle))
+    p = b.build("", S)
+    assert p.tokens == [pre, suf] + tk.encode(S) + [mid] and p.prefix_tokens == 0
+    assert p.window == Window(0, len(S))
+    p = b.build(P, "")
+    assert p.tokens == [pre, suf, mid] + tk.encode(P) and p.window == Window(0, 0)
+    assert b.build("", "").tokens == [pre, suf, mid]
+    cl = builder(toks, "codellama")
+    assert cl.tok.decode(cl.build("", "").tokens) == "<PRE>  <SUF> <MID>"
+
+
+@pytest.mark.parametrize("name", ["default", "qwen2.5-coder", "codellama"])
+@pytest.mark.parametrize("alphabet", ["ascii", "unicode"])
+def test_single_long_line(toks, name, alphabet):
+    word = "value_%d, " if alphabet == "ascii" else "naïve_日本語_%d→🚀, "
+    line = "x = [" + "".join(word % i for i in range(1500))
+    b = builder(toks, name)
+    prefix, suffix = line, "]" + line[5:] + "\n"
+    prompt = b.build(prefix, suffix)
+    pre_ids, suf_ids = check_window(b, prompt, prefix, suffix)
+    assert prompt.window.prefix_start > 0 and prompt.window.suffix_end > 0
+    assert len(prompt.tokens) > 0.6 * b.budget
+    # Typing at the end of the long line moves the start rarely, never back.
+    n = 120 if alphabet == "ascii" else 40  # about 50 and 100 tokens
+    typed = "".join(word % i for i in range(1500, 1600))[:n]
+    starts = [b.build(prefix + typed[:k], suffix).window.prefix_start for k in range(n + 1)]
+    assert starts == sorted(starts) and len(set(starts)) <= 4, starts
+
+
+def test_unicode_document(toks, doc):
+    prefix, suffix = doc
+    prefix = prefix.replace("e", "é").replace("#", "# 日本語 🚀")
+    suffix = suffix.replace("a", "ä")
+    for name in ("default", "codellama"):
+        b = builder(toks, name, budget=200, step_lines=4)
+        prompt = b.build(prefix, suffix)
+        check_window(b, prompt, prefix, suffix)
+        assert prefix[prompt.window.prefix_start - 1] == "\n"
+
+
+def test_special_token_text_in_a_document_stays_text(toks):
+    b = builder(toks, "default")
+    prompt = b.build('s = "<|endoftext|>"\n', "")
+    eot = toks["default"].token_id("<|endoftext|>")
+    assert eot not in prompt.tokens
+    assert "<|endoftext|>" in toks["default"].decode(prompt.tokens)

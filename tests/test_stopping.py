@@ -1,0 +1,77 @@
+"""Streamed text: modes' ends, stop strings, suffix and repetition trimming,
+UTF-8 never split, and deltas that always concatenate to the final text."""
+
+import pytest
+
+from completer.engine.stopping import OutputText, block_end, repetition_start
+
+
+def stream(pieces: list[bytes], mode="line", stop=(), cursor_line="", suffix=""):
+    """Feed byte pieces as tokens; returns (deltas, final text, ended early)."""
+    out = OutputText(lambda i: pieces[i], mode, stop, cursor_line, suffix)
+    deltas, ended = [], False
+    for i in range(len(pieces)):
+        delta, ended = out.add(i)
+        deltas.append(delta)
+        if ended:
+            break
+    deltas.append(out.finish())
+    assert "".join(deltas) == out.text
+    return [d for d in deltas if d], out.text, ended
+
+
+def b(*texts):
+    return [t.encode() for t in texts]
+
+
+def test_line_mode_stops_at_end_of_line():
+    _, text, ended = stream(b("return", " self", "._items", "\n", "    x"))
+    assert text == "return self._items" and ended
+
+
+def test_line_mode_after_an_opener_takes_the_next_line():
+    _, text, _ = stream(b("\n", "    ", "return", " 1", "\n", "x"))
+    assert text == "\n    return 1"
+
+
+def test_utf8_is_never_split():
+    pieces = [b"caf", b"\xc3", b"\xa9", b" ok"]
+    deltas, text, _ = stream(pieces, mode="free")
+    assert text == "café ok"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_is_held_back_and_cut():
+    deltas, text, ended = stream(b("foo", " #", " EN", "D more"), mode="free", stop=("# END",))
+    assert text == "foo " and ended
+    assert all("#" not in d for d in deltas)
+
+
+def test_suffix_overlap_is_trimmed():
+    _, text, _ = stream(b("foo", "(x", ")"), suffix="):\n    pass")
+    assert text == "foo(x"
+
+
+def test_block_mode_ends_at_dedent():
+    cursor_line = "def f(x):"
+    _, text, ended = stream(b("\n    y = x\n", "    return y\n", "\n", "def g():\n"),
+                            mode="block", cursor_line=cursor_line)
+    assert text == "\n    y = x\n    return y" and ended
+
+
+def test_block_mode_from_an_indented_blank_line():
+    assert block_end("if a:\n        b()\n    c()\nd", "    ") == len("if a:\n        b()\n    c()")
+
+
+def test_repetition_is_trimmed_in_line_mode_not_in_free_mode():
+    pieces = b("x = [", *(["1, "] * 12))
+    _, text, ended = stream(pieces)
+    # Stopped at the sixth copy; what was already sent stays (never retracted).
+    assert ended and text == "x = [1, 1, 1, 1, 1,"
+    _, text, _ = stream(pieces, mode="free")
+    assert text.count("1, ") == 12
+
+
+@pytest.mark.parametrize("text, start", [("abcabcabcabcabcabc", 3), ("no repeat here", None)])
+def test_repetition_start(text, start):
+    assert repetition_start(text) == start
