@@ -1,0 +1,103 @@
+"""Per-document prompt state, so a keystroke re-tokenizes only what changed.
+
+An editor session sends the whole prefix and suffix on every keystroke. This
+keeps the last window and its tokens: while the window's start holds (it moves
+only when the window overflows, see `PromptBuilder.fit_prefix`), the prefix
+tokens are reused up to a token boundary a line or so before the first changed
+character, and only the rest is tokenized. Context snippets and the suffix are
+reused while their text is unchanged. The cost of a keystroke thus follows the
+size of the edit and of the window, not of the file.
+
+The reused tokens plus the new ones always spell the new text exactly; they may
+differ from a from-scratch tokenization only at the seam, a line back, which the
+model (trained on separately tokenized segments) takes in stride.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from completer.prompt import Prompt, PromptBuilder, Snippet, Window
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix, by bisection over C-speed compares."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class DocumentPrompt:
+    def __init__(self, builder: PromptBuilder):
+        self.builder = builder
+        self.context_key: tuple | None = None
+        self.context: list[int] = []
+        self.suffix_head: str | None = None  # the suffix text fit_suffix looked at
+        self.suffix_end = 0
+        self.suffix_ids: list[int] = []
+        self.prefix_start = -1
+        self.prefix_text = ""  # prefix[prefix_start:]
+        self.prefix_ids: list[int] = []
+        self.prefix_offsets: list[int] = []  # char offset in prefix_text where each token starts
+        self.retokenized_chars = 0  # chars tokenized by the last update (for tests and metrics)
+
+    def _encode(self, text: str, base: int = 0) -> tuple[list[int], list[int]]:
+        enc = self.builder.tok.tokenizer.encode(text, add_special_tokens=False)
+        self.retokenized_chars += len(text)
+        return enc.ids, [base + start for start, _ in enc.offsets]
+
+    def update(self, prefix: str, suffix: str, path: str | None = None,
+               snippets: list[Snippet] | None = None) -> Prompt:
+        b = self.builder
+        self.retokenized_chars = 0
+        key = (path, tuple((s.uri, s.text) for s in snippets or ()))
+        if key != self.context_key:
+            self.context_key = key
+            self.context = b.context_tokens(list(snippets or ())) + b.header(path)
+
+        head = suffix[: b.suffix_budget * 8]  # all that fit_suffix reads
+        if head != self.suffix_head:
+            self.suffix_head = head
+            self.suffix_end, self.suffix_ids = b.fit_suffix(suffix)
+            self.retokenized_chars += len(head)
+
+        overhead = len(b.assemble([], [], []))
+        budget = b.budget - len(self.context) - len(self.suffix_ids) - overhead
+        if not self._extend_prefix(prefix, budget):
+            self.prefix_start, _ = b.fit_prefix(prefix, budget)
+            self.prefix_text = prefix[self.prefix_start:]
+            self.prefix_ids, self.prefix_offsets = self._encode(self.prefix_text)
+        tokens = b.assemble(self.context, self.prefix_ids, self.suffix_ids)
+        return Prompt(tokens=tokens, window=Window(self.prefix_start, self.suffix_end),
+                      prefix_tokens=len(self.prefix_ids))
+
+    def _extend_prefix(self, prefix: str, budget: int) -> bool:
+        """Re-tokenize only the changed tail, keeping the window's start; False
+        when the start no longer holds (an edit before it, or an overflow)."""
+        if not 0 <= self.prefix_start <= len(prefix) or not self.prefix_ids:
+            return False
+        text = prefix[self.prefix_start:]
+        same = common_prefix_length(self.prefix_text, text)
+        if same == 0:
+            return False
+        # Restart at the token that holds the newline ending the line before the
+        # edit's line: far enough back that the tokens before it are settled.
+        line = text.rfind("\n", 0, same)
+        cut = text.rfind("\n", 0, line) if line > 0 else -1
+        keep = 0
+        if cut > 0:  # the first token starting where the one holding `cut` starts
+            j = max(bisect.bisect_right(self.prefix_offsets, cut) - 1, 0)
+            keep = bisect.bisect_left(self.prefix_offsets, self.prefix_offsets[j])
+        restart = self.prefix_offsets[keep] if keep < len(self.prefix_offsets) else len(text)
+        ids, offsets = self._encode(text[restart:], base=restart)
+        new_ids = self.prefix_ids[:keep] + ids
+        if len(new_ids) > budget:
+            return False
+        self.prefix_text, self.prefix_ids = text, new_ids
+        self.prefix_offsets = self.prefix_offsets[:keep] + offsets
+        return True

@@ -1,0 +1,84 @@
+"""Per-document prompts: a keystroke re-tokenizes only what changed, whatever
+the file's size, and the prompt spells the same window a fresh build picks."""
+
+import random
+
+import pytest
+
+from completer.document import DocumentPrompt, common_prefix_length
+from completer.prompt import PromptBuilder, get_template
+from completer.tokenizer import train_bpe
+from completer.training.corpus import read_python_files, stdlib_root
+
+
+@pytest.fixture(scope="module")
+def source():
+    files = read_python_files(stdlib_root() / "json") + read_python_files(stdlib_root() / "email")
+    return files
+
+
+@pytest.fixture(scope="module")
+def tok(source, tmp_path_factory):
+    return train_bpe([f.text for f in source[:8]], 800, tmp_path_factory.mktemp("tok"))
+
+
+def test_common_prefix_length():
+    assert common_prefix_length("abcdef", "abcxyz") == 3
+    assert common_prefix_length("", "abc") == 0
+    assert common_prefix_length("same", "same") == 4
+
+
+def typed(text: str, n: int):
+    """Keystroke states: typing `text[:n]` one char at a time."""
+    for i in range(1, n + 1):
+        yield text[:i]
+
+
+@pytest.mark.parametrize("file_chars", [4_000, 60_000])
+def test_typing_retokenizes_a_bounded_tail(tok, source, file_chars):
+    body = "".join(f.text for f in source)[:file_chars]
+    cut = body.rfind("\n", 0, len(body) // 2) + 1
+    prefix, suffix = body[:cut], body[cut:]
+    doc = DocumentPrompt(PromptBuilder(tok, get_template("default"), budget=512))
+    fresh = PromptBuilder(tok, get_template("default"), budget=512)
+    first = doc.update(prefix, suffix, "mod.py")
+    assert first == fresh.build(prefix, suffix, "mod.py")
+    new_line = "    result = self.parse_header(value, strict=True)\n"
+    worst, starts = 0, {first.window.prefix_start}
+    for state in typed(new_line, len(new_line)):
+        text = prefix + state
+        prompt = doc.update(text, suffix, "mod.py")
+        worst = max(worst, doc.retokenized_chars)
+        starts.add(prompt.window.prefix_start)
+        assert len(prompt.tokens) <= 512
+        window = text[prompt.window.prefix_start:]
+        assert tok.decode(prompt.tokens).endswith(window)
+        assert suffix[: prompt.window.suffix_end] in tok.decode(prompt.tokens)
+    assert len(starts) <= 2  # typing a line moves the start at most once
+    # Each keystroke re-tokenizes about two lines, not the window or the file.
+    assert worst < 400, worst
+
+
+def test_edit_before_the_window_and_suffix_change(tok, source):
+    body = source[3].text
+    doc = DocumentPrompt(PromptBuilder(tok, get_template("default"), budget=256))
+    fresh = PromptBuilder(tok, get_template("default"), budget=256)
+    rng = random.Random(0)
+    prefix, suffix = body[: len(body) // 2], body[len(body) // 2:]
+    for _ in range(60):
+        kind = rng.random()
+        if kind < 0.5:
+            prefix += rng.choice("abc (),.:\n    ")
+        elif kind < 0.7:
+            prefix = prefix[:-1]
+        elif kind < 0.85:
+            i = rng.randrange(len(prefix))
+            prefix = prefix[:i] + "x" + prefix[i:]
+        else:
+            suffix = "y" + suffix
+        prompt = doc.update(prefix, suffix, "m.py")
+        want = fresh.build(prefix, suffix, "m.py")
+        window = prefix[prompt.window.prefix_start:]
+        assert tok.decode(prompt.tokens).endswith(window)
+        assert len(prompt.tokens) <= 256
+        assert prompt.window.suffix_end == want.window.suffix_end
