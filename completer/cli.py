@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -61,6 +62,44 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from completer.checkpoint import CheckpointError
+    from completer.config import ConfigError, DEFAULT_CONFIG, load_config
+    from completer.server import security
+    from completer.server.app import run
+
+    overrides = list(args.set or [])
+    if args.host:
+        overrides.append(f"server.host={json.dumps(args.host)}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    if args.precision:
+        overrides.append(f'model.precision="{args.precision}"')
+    try:
+        # configs/default.toml spells out the built-in defaults; a non-editable
+        # install may not have it, and then the defaults are the same.
+        default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+        config = load_config(args.config or default, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    token = args.token or os.environ.get("COMPLETER_TOKEN") or config.server.token
+    if token:
+        source = "given on the command line, in $COMPLETER_TOKEN or in the config"
+    else:
+        path = Path(config.server.token_file).expanduser() if config.server.token_file \
+            else security.default_token_path()
+        token = security.load_or_create_token(path)
+        source = str(path)
+    try:
+        return run(config, token, source)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: cannot serve on {config.server.host}:{config.server.port}: {e}") from None
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from completer.evaluate import main as evaluate_main
 
@@ -82,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--context-tokens", type=int, default=1024, help="prompt + completion budget")
     p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser("serve", help="serve completions over WebSocket (protocol v1)")
+    p.add_argument("--config", type=Path, help="TOML config (default: configs/default.toml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8750; 0 picks a free one)")
+    p.add_argument("--token", help="bearer token (default: $COMPLETER_TOKEN, or the token file)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="weights precision")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable), e.g. --set spec.ngram=false")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("evaluate", help="evaluate the target and drafter on code outside the stdlib")
     from completer.evaluate import add_arguments

@@ -42,9 +42,9 @@ def detect_template(tokenizer: TextTokenizer) -> str:
 
 
 def load(directory: str | Path, precision: str = "fp32", template: str | None = None,
-         order: str | None = None) -> LoadedModel:
+         order: str | None = None, device: str = "cpu") -> LoadedModel:
     directory = Path(directory)
-    model = load_model(directory, precision)
+    model = load_model(directory, precision, device)
     tokenizer = load_tokenizer(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, "

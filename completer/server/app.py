@@ -1,0 +1,209 @@
+"""`completer serve`: the WebSocket endpoint and the HTTP routes on one port.
+
+    /v1/ws       the editor protocol (token, Origin and Host checked first)
+    /healthz     200 once the models are loaded (503 before)
+    /metrics     Prometheus exposition
+    /dashboard   the live latency dashboard
+    /v1/stats    the dashboard's figures as JSON
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import signal
+import ssl
+import sys
+from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from completer.config import Config
+from completer.engine.engine import Engine
+from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+from completer.prompt import PromptBuilder
+from completer.server import security
+from completer.server.metrics import Metrics
+from completer.server.session import Session
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+def model_dir(setting: str, default: Path) -> Path:
+    return default if setting == "default" else Path(setting).expanduser()
+
+
+class App:
+    def __init__(self, config: Config, token: str):
+        self.config = config
+        self.token = token
+        self.metrics = Metrics()
+        self.target: LoadedModel | None = None
+        self.draft: LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.sessions: set[Session] = set()
+        self.connections = 0
+        self.send_timeout_s = 10.0
+        self.scheme = "https" if config.server.tls_cert else "http"
+        self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
+
+    # -- models ---------------------------------------------------------------
+
+    def load_models(self) -> None:
+        """Load target and drafter (raises CheckpointError naming the problem)."""
+        m = self.config.model
+        kwargs = dict(precision=m.precision, template=m.template or None, order=m.order or None,
+                      device=m.device)
+        self.target = load(model_dir(m.target, DEFAULT_TARGET), **kwargs)
+        if m.draft:
+            self.draft = load(model_dir(m.draft, DEFAULT_DRAFT), **kwargs)
+
+    def prompt_builder(self) -> PromptBuilder:
+        m = self.config.model
+        return self.target.prompt_builder(m.context_tokens - self.config.engine.max_tokens)
+
+    async def start_engine(self) -> None:
+        await asyncio.to_thread(self.load_models)
+        engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec)
+        engine.start()
+        self.engine = engine
+
+    # -- HTTP ------------------------------------------------------------------
+
+    def respond(self, conn: ServerConnection, status: int, body: bytes, content_type: str) -> Response:
+        response = conn.respond(status, "")
+        del response.headers["Content-Type"]
+        del response.headers["Content-Length"]
+        response.headers["Content-Type"] = content_type
+        response.headers["Content-Length"] = str(len(body))
+        response.headers["Cache-Control"] = "no-store"
+        response.body = body
+        return response
+
+    def json_response(self, conn: ServerConnection, status: int, value) -> Response:
+        return self.respond(conn, status, json.dumps(value).encode(), "application/json")
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.sessions.set(len(self.sessions))
+        if self.engine is not None:
+            core = self.engine.core
+            m.running.set(len(core.running))
+            m.waiting.set(len(core.waiting))
+            m.kv_usage.set(core.target.blocks.usage())
+
+    def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        host = request.headers.get("Host")
+        if not security.host_allowed(host, self.config.server.host):
+            return conn.respond(http.HTTPStatus.FORBIDDEN, "Host not allowed (the server is bound to loopback)\n")
+        path = urlsplit(request.path).path
+        ready = self.engine is not None
+        if path == "/healthz":
+            return self.json_response(conn, 200 if ready else 503, {"status": "ok" if ready else "loading"})
+        if path == "/metrics":
+            self.update_gauges()
+            return self.respond(conn, 200, self.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
+        if path == "/v1/stats":
+            self.update_gauges()
+            return self.json_response(conn, 200, self.metrics.stats())
+        if path == "/dashboard":
+            return self.respond(conn, 200, self.dashboard_html, "text/html; charset=utf-8")
+        if path != "/v1/ws":
+            return conn.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
+        if not security.origin_allowed(request.headers.get("Origin"), host, self.scheme,
+                                       self.config.server.allowed_origins):
+            return conn.respond(http.HTTPStatus.FORBIDDEN, "Origin not allowed\n")
+        if not security.token_matches(self.token, request.headers.get("Authorization"), request.path):
+            return conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        if not ready:
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "models are loading\n")
+        if len(self.sessions) >= self.config.server.max_connections:
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
+        return None
+
+    # -- WebSocket -------------------------------------------------------------
+
+    async def handler(self, ws: ServerConnection) -> None:
+        self.connections += 1
+        session = Session(self, ws, self.connections)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+            self.metrics.sessions.set(len(self.sessions))
+
+    async def shutdown(self) -> None:
+        """End every request in flight with `done` (cancelled), then stop."""
+        for session in list(self.sessions):
+            for request_id in list(session.inflight):
+                self.engine.cancel(session.engine_id(request_id))
+        pending = [t for s in self.sessions for t in s.inflight.values()]
+        if pending:
+            await asyncio.wait(pending, timeout=SHUTDOWN_GRACE_S)
+
+    async def serve(self, stop: asyncio.Event, on_listening=None) -> None:
+        s = self.config.server
+        tls = None
+        if s.tls_cert:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(s.tls_cert, s.tls_key or None)
+        async with serve(self.handler, s.host, s.port, process_request=self.process_request,
+                         max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
+                         ping_interval=20, ping_timeout=20) as server:
+            port = server.sockets[0].getsockname()[1]
+            if on_listening is not None:
+                on_listening(port)
+            loading = asyncio.create_task(self.start_engine())
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if loading.done() and loading.exception() is not None:
+                raise loading.exception()
+            if on_listening is not None and loading.done():
+                on_listening(port, self)
+            await stopped
+            if self.engine is not None:
+                await self.shutdown()
+            server.close()
+            await server.wait_closed()
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def run(config: Config, token: str, token_source: str) -> int:
+    """Serve until SIGINT/SIGTERM; exit 0 after a graceful shutdown."""
+    s = config.server
+    if not security.is_loopback(s.host) and not s.tls_cert:
+        print(f"warning: serving on {s.host} without TLS; the token travels in clear text", file=sys.stderr)
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    app = App(config, token)
+    scheme = "wss" if s.tls_cert else "ws"
+
+    def on_listening(port: int, loaded: App | None = None) -> None:
+        if loaded is None:
+            print(f"completer listening on {scheme}://{s.host}:{port}/v1/ws "
+                  f"(dashboard: {app.scheme}://{s.host}:{port}/dashboard)", flush=True)
+            print(f"token: {token_source}", flush=True)
+        else:
+            draft = f", draft {loaded.draft.name}" if loaded.draft else ""
+            print(f"models loaded: target {loaded.target.name} ({loaded.target.directory}){draft}; "
+                  f"ready", flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await app.serve(stop, on_listening)
+
+    asyncio.run(main())
+    print("completer stopped", flush=True)
+    return 0
