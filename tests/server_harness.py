@@ -1,0 +1,107 @@
+"""Start the real `completer serve` (default models, ephemeral port) for tests,
+and a small protocol client over the `websockets` library."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import websockets
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-token-123"
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen, port: int, log: list[str]):
+        self.proc, self.port, self.log = proc, port, log
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def running_server(*settings: str, token: str = TOKEN, timeout: float = 120):
+    """`completer serve --port 0` with `--set` settings; yields once the models are loaded."""
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", "--token", token]
+    for s in settings:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log: list[str] = []
+    port = None
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited:\n" + "".join(log))
+            log.append(line)
+            if m := re.search(r"ws://127\.0\.0\.1:(\d+)/v1/ws", line):
+                port = int(m.group(1))
+            if "ready" in line and port:
+                break
+        else:
+            raise RuntimeError("server did not become ready:\n" + "".join(log))
+        yield ServerProcess(proc, port, log)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def connect(server: ServerProcess, token: str = TOKEN, **kwargs):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return websockets.connect(server.ws_url, additional_headers=headers, max_size=None, **kwargs)
+
+
+def complete_msg(request_id: str, prefix: str, suffix: str = "\n", uri: str = "file:///proj/app/main.py",
+                 **fields) -> str:
+    return json.dumps({"type": "complete", "id": request_id,
+                       "document": {"uri": uri, "language": "python", "prefix": prefix, "suffix": suffix},
+                       **fields})
+
+
+async def collect(ws, request_id: str) -> tuple[list[str], dict]:
+    """Deltas of `request_id` until its terminal message (done or error)."""
+    deltas = []
+    while True:
+        msg = json.loads(await ws.recv())
+        if msg.get("id") != request_id:
+            continue
+        if msg["type"] == "delta":
+            deltas.append(msg["text"])
+        elif msg["type"] in ("done", "error"):
+            return deltas, msg
+
+
+async def collect_all(ws, ids: list[str]) -> dict[str, tuple[list[str], dict]]:
+    """Deltas and the terminal message of each of `ids`, however they interleave;
+    checks that exactly one terminal arrives per id before returning."""
+    out: dict[str, tuple[list[str], dict | None]] = {i: ([], None) for i in ids}
+    while any(t is None for _, t in out.values()):
+        msg = json.loads(await ws.recv())
+        rid = msg.get("id")
+        if rid not in out:
+            continue
+        deltas, terminal = out[rid]
+        assert terminal is None, f"message after the terminal one for {rid}: {msg}"
+        if msg["type"] == "delta":
+            deltas.append(msg["text"])
+        else:
+            out[rid] = (deltas, msg)
+    return out

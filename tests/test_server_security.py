@@ -1,0 +1,169 @@
+"""Security and observability against the real server: token, Origin, Host,
+limits (each while another session keeps streaming), metrics that agree with
+the traffic, /v1/stats that agrees with the client's clock, graceful shutdown."""
+
+import asyncio
+import http.client
+import json
+import signal
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from server_harness import TOKEN, collect, complete_msg, connect, running_server
+
+PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("server.max_frame_bytes=65536") as s:
+        yield s
+
+
+def status_of(server, path, headers):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", path, headers={"Connection": "Upgrade", "Upgrade": "websocket",
+                                       "Sec-WebSocket-Version": "13",
+                                       "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", **headers})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+async def streaming_neighbour(server, stop: asyncio.Event, results: list):
+    """Another editor session that keeps completing while the test misbehaves."""
+    async with connect(server) as ws:
+        i = 0
+        while not stop.is_set():
+            await ws.send(complete_msg(f"n{i}", PREFIX + "x" * (i % 3), mode="free", max_tokens=6))
+            deltas, done = await collect(ws, f"n{i}")
+            results.append(done["type"] == "done" and done["text"] == "".join(deltas))
+            i += 1
+
+
+async def with_neighbour(server, attack):
+    stop, results = asyncio.Event(), []
+    neighbour = asyncio.create_task(streaming_neighbour(server, stop, results))
+    await asyncio.sleep(0.3)
+    before = len(results)
+    await attack()
+    await asyncio.sleep(0.3)
+    stop.set()
+    await neighbour
+    assert len(results) > before and all(results), "the other session was disturbed"
+
+
+@pytest.mark.parametrize("headers, path, expected", [
+    ({}, "/v1/ws", 401),
+    ({"Authorization": "Bearer wrong"}, "/v1/ws", 401),
+    ({"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example"}, "/v1/ws", 403),
+    ({"Authorization": f"Bearer {TOKEN}", "Host": "evil.example:80"}, "/v1/ws", 403),
+    ({"Host": "rebind.example"}, "/healthz", 403),
+    ({}, f"/v1/ws?token={TOKEN}", 101),
+    ({"Authorization": f"Bearer {TOKEN}", "Origin": "http://127.0.0.1:{port}"}, "/v1/ws", 101),
+])
+async def test_handshake_checks(server, headers, path, expected):
+    headers = {k: v.replace("{port}", str(server.port)) for k, v in headers.items()}
+
+    async def attack():
+        assert await asyncio.to_thread(status_of, server, path, headers) == expected
+
+    await with_neighbour(server, attack)
+
+
+async def test_oversize_and_invalid_utf8_close_only_their_connection(server):
+    async def attack():
+        async with connect(server) as ws:
+            await ws.send("y" * 70000)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 1009
+        async with connect(server) as ws:
+            await ws.send(b"\xc3\x28", text=True)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 1007
+
+    await with_neighbour(server, attack)
+
+
+async def test_client_library_sees_401():
+    with running_server() as s:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(s, token="bad"):
+                pass
+        assert refused.value.response.status_code == 401
+
+
+def scrape(server) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + (json.dumps(sample.labels, sort_keys=True) if sample.labels else "")
+            values[key] = sample.value
+    return values
+
+
+def stats(server) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/stats")
+    return json.loads(conn.getresponse().read())
+
+
+async def test_metrics_and_stats_agree_with_the_traffic():
+    with running_server() as server:
+        await metrics_scenario(server)
+
+
+async def metrics_scenario(server):
+    before = scrape(server)
+    measured, generated, prompt = [], 0, 0
+    async with connect(server) as ws:
+        for i in range(6):
+            started = time.perf_counter()
+            await ws.send(complete_msg(f"m{i}", PREFIX + "t" * i, mode="free", max_tokens=5))
+            _, done = await collect(ws, f"m{i}")
+            measured.append((time.perf_counter() - started) * 1000)
+            generated += done["timings"]["generated_tokens"]
+            prompt += done["timings"]["prompt_tokens"]
+        await ws.send(json.dumps({"type": "feedback", "id": "m5", "accepted_chars": 1}))
+        await ws.send(json.dumps({"type": "hello"}))
+        await ws.recv()  # feedback is processed in order before this
+    after = scrape(server)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    finished = sum(v for k, v in delta.items() if k.startswith("completer_request_success_total"))
+    assert finished == 6
+    assert delta["completer_generation_tokens_total"] == generated
+    assert delta["completer_prompt_tokens_total"] == prompt
+    assert delta["completer_feedback_accepted_chars_total"] == 1
+    assert delta["completer_e2e_request_latency_seconds_count"] == 6
+    # This server saw only these 6 requests: /v1/stats' p99 is the slowest one as
+    # the server timed it (frame read to done sent), a little under the
+    # client's own figure, well within one histogram bucket of it.
+    window = stats(server)["windows"]["1m"]
+    assert window["requests"] == 6
+    p99 = window["e2e_ms"]["p99"]
+    assert max(measured) - 10 <= p99 <= max(measured)
+    assert stats(server)["series"], "no time series"
+
+
+def test_graceful_shutdown_ends_requests_with_done():
+    async def scenario(s):
+        async with connect(s) as ws:
+            await ws.send(complete_msg("long", PREFIX, mode="free", max_tokens=2000, deadline_ms=60000))
+            first = json.loads(await ws.recv())
+            assert first["type"] == "delta"
+            s.proc.send_signal(signal.SIGTERM)
+            deltas, done = await collect(ws, "long")
+            return [first["text"]] + deltas, done
+
+    with running_server() as s:
+        deltas, done = asyncio.run(scenario(s))
+        assert done["reason"] == "cancelled" and done["text"] == "".join(deltas)
+        assert s.proc.wait(timeout=30) == 0
