@@ -179,3 +179,16 @@ async def test_disconnect_mid_stream_frees_the_request(server):
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("request still running after the client left")
+
+
+def test_one_line_client(server):
+    import subprocess
+    import sys
+
+    from server_harness import ROOT, TOKEN
+
+    done = subprocess.run([sys.executable, "-m", "completer.client", "examples/shapes.py:27:9",
+                           "--url", server.ws_url, "--token", TOKEN], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ttft" in done.stderr and "generated" in done.stderr
