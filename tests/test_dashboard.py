@@ -57,7 +57,7 @@ async def test_dashboard_shows_updating_p99():
         browser = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+             f"--user-data-dir={profile}", "--window-size=1280,1000", "--remote-debugging-port=0", "about:blank"],
             stderr=subprocess.PIPE, text=True)
         try:
             url = None
