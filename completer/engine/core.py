@@ -72,9 +72,10 @@ class EngineCore:
         if not request.prompt:
             raise EngineError("bad_request", "empty prompt")
         worst = self._blocks_for(len(request.prompt), request.params)
-        if worst > self.target.blocks.num_blocks - 1:
-            raise EngineError("too_large", f"prompt of {len(request.prompt)} tokens does not fit "
-                                           f"the KV cache ({self.target.blocks.num_blocks - 1} blocks)")
+        for cache in (self.target, self.draft if self.spec.draft_model else None):
+            if cache is not None and worst > cache.blocks.num_blocks - 1:
+                raise EngineError("too_large", f"prompt of {len(request.prompt)} tokens does not fit "
+                                               f"the KV cache ({cache.blocks.num_blocks - 1} blocks)")
         output = OutputText(self.tokenizer.token_bytes, request.params.mode, request.params.stop,
                             request.cursor_line, request.suffix)
         seq = Sequence(request.id, request.prompt, request.params, output, self.stop_ids)
