@@ -161,8 +161,9 @@ class Session:
         now = time.perf_counter()
         ttft = (first_delta or now) - received
         t = msgspec.structs.replace(done.timings, ttft_ms=ttft * 1000, total_ms=(now - received) * 1000)
-        await self.send(Done(msg.id, done.reason, done.text, t))
+        # Remember before sending: the client may answer `done` with feedback at once.
         self.remember_shown(msg.id, len(done.text))
+        await self.send(Done(msg.id, done.reason, done.text, t))
         engine_ttft = done.timings.ttft_ms / 1000
         decode_s = max(0.0, (now - received) - ttft)
         app.metrics.observe(Record(

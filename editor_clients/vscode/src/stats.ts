@@ -1,0 +1,79 @@
+// Counters behind the status bar and the "Show Stats" command (no vscode API).
+
+import type { CompletionResult } from './client';
+import type { FinishHow, Shown } from './tracker';
+
+const LATENCY_WINDOW = 200;
+
+export class Stats {
+  requests = 0;
+  readonly endings: Record<string, number> = {};
+  /** Keystrokes that found no connection (nothing was sent). */
+  skippedOffline = 0;
+  typeThrough = 0;
+  shown = 0;
+  shownChars = 0;
+  acceptedWhole = 0;
+  acceptedPartly = 0;
+  dismissed = 0;
+  acceptedChars = 0;
+  lastLatencyMs: number | undefined;
+  lastError: { code: string; message: string; at: Date } | undefined;
+  private latencies: number[] = [];
+
+  request(): void {
+    this.requests += 1;
+  }
+
+  result(r: CompletionResult): void {
+    this.endings[r.reason] = (this.endings[r.reason] ?? 0) + 1;
+    if (r.reason === 'error' && r.error) {
+      this.lastError = { ...r.error, at: new Date() };
+    } else if (r.reason !== 'cancelled' && r.reason !== 'disconnected') {
+      this.lastLatencyMs = r.latencyMs;
+      this.latencies.push(r.latencyMs);
+      if (this.latencies.length > LATENCY_WINDOW) {
+        this.latencies.shift();
+      }
+    }
+  }
+
+  show(text: string): void {
+    this.shown += 1;
+    this.shownChars += text.length;
+  }
+
+  finished(s: Shown, how: FinishHow): void {
+    this.acceptedChars += s.accepted;
+    if (how === 'accepted' && s.accepted >= s.text.length - s.typed) {
+      this.acceptedWhole += 1;
+    } else if (s.accepted > 0) {
+      this.acceptedPartly += 1;
+    } else if (how === 'dismissed' || how === 'replaced') {
+      this.dismissed += 1;
+    }
+  }
+
+  percentile(q: number): number | undefined {
+    if (this.latencies.length === 0) {
+      return undefined;
+    }
+    const sorted = [...this.latencies].sort((a, b) => a - b);
+    return sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
+  }
+
+  lines(): string[] {
+    const ms = (v: number | undefined) => (v === undefined ? '-' : `${Math.round(v)} ms`);
+    const endings = Object.entries(this.endings).map(([k, v]) => `${k} ${v}`).join(', ') || '-';
+    const rate = this.shownChars ? `${((100 * this.acceptedChars) / this.shownChars).toFixed(1)}%` : '-';
+    return [
+      `requests: ${this.requests} (${endings})`,
+      `latency: last ${ms(this.lastLatencyMs)}, p50 ${ms(this.percentile(0.5))}, p95 ${ms(this.percentile(0.95))}`,
+      `shown: ${this.shown} (${this.shownChars} chars), type-through: ${this.typeThrough}`,
+      `accepted: ${this.acceptedWhole} whole, ${this.acceptedPartly} partly, ${this.dismissed} dismissed; `
+        + `${this.acceptedChars} chars (${rate} of shown)`,
+      `skipped while offline: ${this.skippedOffline}`,
+      `last error: ${this.lastError ? `${this.lastError.code}: ${this.lastError.message}` : '-'}`,
+    ];
+  }
+}
