@@ -14,11 +14,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from completer.fp8 import load_fp8_weights, quantize_linears
 from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FP8 checkpoints store e4m3 `x.weight` with `x.weight_scale` (or DeepSeek-style
+# `x.weight_scale_inv`); static `x.input_scale`s are dropped: we scale per token.
+FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
 class CheckpointError(ValueError):
@@ -94,6 +98,8 @@ def weight_files(directory: Path) -> list[Path]:
 
 def load_model(directory: str | Path, precision: str = "fp32",
                device: str | torch.device = "cpu") -> Transformer:
+    """precision: fp32, bf16, fp16, or fp8 (projections as completer.fp8.Fp8Linear,
+    the rest bf16)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: model directory not found")
@@ -105,10 +111,15 @@ def load_model(directory: str | Path, precision: str = "fp32",
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
+                    base = name.rsplit(".", 1)[0] + ".weight"
+                    if name.endswith(FP8_SCALE_SUFFIXES) and base in expected:
+                        scales[name] = handle.get_tensor(name)
+                        continue
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue  # some tied checkpoints store the copy anyway
@@ -129,15 +140,24 @@ def load_model(directory: str | Path, precision: str = "fp32",
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: tensor {missing[0]!r}{more} missing from the weights")
-    dtype = DTYPES.get(precision)
+    dtype = torch.bfloat16 if precision == "fp8" else DTYPES.get(precision)
     if dtype is None:
-        raise CheckpointError(f"unknown precision {precision!r} (known: {', '.join(DTYPES)})")
+        raise CheckpointError(f"unknown precision {precision!r} (known: {', '.join(DTYPES)}, fp8)")
+    fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inverse_frequencies(cfg).to(device)  # buffer was on meta
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if fp8_weights or precision == "fp8":
+        try:
+            load_fp8_weights(model, fp8_weights, scales, keep_fp8=precision == "fp8")
+        except ValueError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
+        if precision == "fp8":
+            quantize_linears(model)
+    return model
 
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer:

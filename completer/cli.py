@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8750; 0 picks a free one)")
     p.add_argument("--token", help="bearer token (default: $COMPLETER_TOKEN, or the token file)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], help="weights precision")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp8"], help="weights precision (fp8 is emulated on CPU)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.set_defaults(func=cmd_serve)

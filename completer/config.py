@@ -19,7 +19,7 @@ from completer.engine.config import EngineConfig, SpecConfig
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "default"  # "default" (embedded) or an HF checkpoint directory
     draft: str = "default"  # "default", a directory, or "" for none
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # fp8: W8A8 linears (emulated on CPU)
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     template: str = ""  # FIM template; "" detects it from the tokenizer
     order: str = ""  # "psm" / "spm" to override the template's order
