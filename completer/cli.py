@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", help="text before the cursor (- reads stdin)")
     p.add_argument("--suffix", help="text after the cursor (- reads stdin)")
     p.add_argument("--model", type=Path, help="HF checkpoint directory (default: the embedded target)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"])
     p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
     p.add_argument("--mode", default="line", choices=["line", "block", "free"])
     p.add_argument("--max-tokens", type=int, default=64)
