@@ -1,0 +1,49 @@
+-- :CompleterStatus, :CompleterToggle, :CompleterEnable, :CompleterDisable.
+-- Completion itself starts with require('completer').setup() (:help completer).
+if vim.g.loaded_completer or vim.fn.has('nvim-0.7') == 0 then
+  return
+end
+vim.g.loaded_completer = true
+
+local function status_text()
+  local st = require('completer').status()
+  if st.state == 'not set up' then
+    return 'completer: not set up (call require("completer").setup())'
+  end
+  local parts = { ('completer: %s, %s'):format(st.enabled and 'enabled' or 'disabled', st.state) }
+  parts[#parts + 1] = 'server: ' .. st.url
+  if st.server and st.state == 'open' then
+    local model = type(st.server.model) == 'table' and st.server.model or {}
+    parts[#parts + 1] = ('%s, model %s, draft %s'):format(tostring(st.server.server), tostring(model.target),
+      tostring(model.draft))
+  end
+  if st.error and st.state ~= 'open' then parts[#parts + 1] = 'last error: ' .. st.error end
+  if st.retry_in_ms then parts[#parts + 1] = ('next try in %.1f s'):format(st.retry_in_ms / 1000) end
+  if st.token_source then parts[#parts + 1] = 'token: ' .. st.token_source end
+  local c = st.counts
+  parts[#parts + 1] = ('requests %d, shown %d, accepted %d, dismissed %d'):format(c.sent, c.shown, c.accepted,
+    c.dismissed)
+  local l = st.last_latency
+  if l then
+    parts[#parts + 1] = ('last: server ttft %.1f ms, request to ghost text %.1f ms, keystroke to ghost text %.1f ms')
+      :format(l.ttft_ms, l.send_to_shown_ms or -1, l.key_to_shown_ms or -1)
+  end
+  return table.concat(parts, '\n  ')
+end
+
+vim.api.nvim_create_user_command('CompleterStatus', function()
+  vim.api.nvim_echo({ { status_text() } }, false, {})
+end, { desc = 'completer: connection, counters and latency' })
+
+vim.api.nvim_create_user_command('CompleterToggle', function()
+  local on = require('completer').toggle()
+  vim.api.nvim_echo({ { 'completer: ' .. (on and 'enabled' or 'disabled') } }, false, {})
+end, { desc = 'completer: enable or disable completions' })
+
+vim.api.nvim_create_user_command('CompleterEnable', function()
+  require('completer').enable()
+end, { desc = 'completer: enable completions' })
+
+vim.api.nvim_create_user_command('CompleterDisable', function()
+  require('completer').disable()
+end, { desc = 'completer: disable completions' })

@@ -1,0 +1,167 @@
+"""Drive a real headless Neovim with the plugin in editor_clients/neovim over
+pynvim (msgpack-RPC on a socket), and start `completer serve` on a chosen port
+(the reconnect test needs the same port twice)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pynvim
+
+from server_harness import ROOT, TOKEN, ServerProcess
+
+PLUGIN = ROOT / "editor_clients" / "neovim"
+NVIM = shutil.which("nvim")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server_on(port: int, *settings: str, token: str = TOKEN, timeout: float = 120):
+    """`completer serve --port PORT`, yielded once the models are loaded."""
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", str(port), "--token", token]
+    for s in settings:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log: list[str] = []
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited:\n" + "".join(log))
+            log.append(line)
+            if "ready" in line and any(re.search(r"/v1/ws", x) for x in log):
+                break
+        else:
+            raise RuntimeError("server did not become ready:\n" + "".join(log))
+        yield ServerProcess(proc, port, log)
+    finally:
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """The value of an unlabelled sample of the server's /metrics."""
+    with urllib.request.urlopen(server.http + "/metrics", timeout=30) as r:
+        body = r.read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_until(check, timeout: float = 20.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class Editor:
+    """One `nvim --headless --listen SOCKET` with the plugin on its runtimepath."""
+
+    def __init__(self, workdir: Path, env: dict | None = None):
+        assert NVIM, "nvim is not installed"
+        self.sock = str(workdir / "nvim.sock")
+        self.stderr = open(workdir / "nvim.stderr", "w+")
+        self.proc = subprocess.Popen(
+            [NVIM, "--headless", "--listen", self.sock, "-u", "NONE", "-i", "NONE", "-n",
+             "--cmd", f"set rtp^={PLUGIN} noswapfile shortmess+=I", "--cmd", f"source {PLUGIN}/plugin/completer.lua"],
+            cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
+            env={**os.environ, **(env or {})})
+        self.nvim = wait_until(self._attach, 10, what="nvim's socket")
+
+    def _attach(self):
+        assert self.proc.poll() is None, "nvim exited"
+        try:  # the socket file appears a moment before nvim listens on it
+            return pynvim.attach("socket", path=self.sock) if os.path.exists(self.sock) else None
+        except OSError:
+            return None
+
+    def lua(self, code: str, *args):
+        return self.nvim.exec_lua(code, *args)
+
+    def setup(self, **opts):
+        self.lua("require('completer').setup(...)", opts)
+
+    def open_python(self, path: Path, content: str = ""):
+        path.write_text(content)
+        self.nvim.command(f"edit {path}")
+        self.nvim.command("set filetype=python")
+
+    def connected(self) -> bool:
+        return self.lua("return require('completer').status().state") == "open"
+
+    def ghost(self) -> dict | None:
+        """What the extmarks in the plugin's namespace show: text (first line's
+        virtual text, then the virt_lines), row, col, pos; read with the API,
+        not through the plugin."""
+        ns = self.nvim.api.get_namespaces().get("completer")
+        marks = self.nvim.api.buf_get_extmarks(0, ns, 0, -1, {"details": True}) if ns is not None else []
+        if not marks:
+            return None
+        assert len(marks) == 1, marks
+        _, row, col, d = marks[0]
+        first = "".join(chunk[0] for chunk in d.get("virt_text", []))
+        rest = ["".join(chunk[0] for chunk in line) for line in d.get("virt_lines", [])]
+        return {"text": "\n".join([first, *rest]), "row": row, "col": col, "pos": d.get("virt_text_pos")}
+
+    def last(self) -> dict | None:
+        return self.lua("return require('completer').last_result()")
+
+    def buffer_text(self) -> str:
+        return "\n".join(self.nvim.current.buffer[:])
+
+    def mode(self) -> str:
+        return self.nvim.api.get_mode()["mode"]
+
+    def messages(self) -> str:
+        return self.nvim.api.exec("messages", True)
+
+    def close(self):
+        """Quit Neovim (:qa!, so VimLeavePre runs); its stderr."""
+        try:
+            self.nvim.command("qa!", async_=True)
+            self.nvim.close()
+        finally:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.stderr.seek(0)
+            err = self.stderr.read()
+            self.stderr.close()
+        return err
+
+
+def keys(text: str) -> str:
+    """Literal text as nvim_input keys."""
+    return text.replace("<", "<lt>")
