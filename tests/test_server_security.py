@@ -167,3 +167,25 @@ def test_graceful_shutdown_ends_requests_with_done():
         deltas, done = asyncio.run(scenario(s))
         assert done["reason"] == "cancelled" and done["text"] == "".join(deltas)
         assert s.proc.wait(timeout=30) == 0
+
+
+async def test_grafana_dashboard_uses_metrics_the_server_exports(server):
+    """Every metric the shipped Grafana dashboard queries exists in /metrics."""
+    import re
+    from pathlib import Path
+
+    async with connect(server) as ws:  # labelled counters appear with their first sample
+        await ws.send(complete_msg("g", PREFIX, mode="free", max_tokens=2))
+        await collect(ws, "g")
+        await ws.send(json.dumps({"type": "feedback", "id": "g", "accepted_chars": 0}))
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "configs" / "grafana-dashboard.json").read_text())
+    exported = {key.split("{")[0] for key in scrape(server)}  # sample names, labels dropped
+    queried = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"completer_[a-z0-9_]+", target["expr"]))
+    assert queried, "no queries"
+    missing = queried - exported
+    assert not missing, missing
+    assert any("histogram_quantile(0.99" in t["expr"] for p in dashboard["panels"] for t in p["targets"])
