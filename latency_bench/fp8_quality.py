@@ -1,0 +1,83 @@
+"""FP8 against bf16 on held-out code (pip's sources), for the default target
+and drafter: top-1 agreement, bits per byte, drafter acceptance, first-line
+exact match. On CPU the FP8 path is the emulation (same numerics as the GPU
+kernels: per-channel weight scales, per-token activation scales).
+
+    python latency_bench/fp8_quality.py --out bench-results/fp8_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, heldout_files,
+                                line_starts)
+from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+
+
+@torch.inference_mode()
+def top1_agreement(a: LoadedModel, b: LoadedModel, files, chunks: int, length: int, seed: int) -> float:
+    """Share of positions where both models' most likely next token agree."""
+    rng = random.Random(seed)
+    same = total = 0
+    for _ in range(chunks):
+        f = rng.choices(files, weights=[len(x.text) for x in files])[0]
+        start = f.text.rfind("\n", 0, rng.randrange(len(f.text))) + 1
+        ids = torch.tensor([a.tokenizer.encode(f.text[start: start + length * 6])[:length]])
+        same += int((a.model(ids).argmax(-1) == b.model(ids).argmax(-1)).sum())
+        total += ids.numel()
+    return same / total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    p.add_argument("--lines", type=int, default=200)
+    p.add_argument("--chunks", type=int, default=32)
+    p.add_argument("--accept-prompts", type=int, default=50)
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+
+    _, files = heldout_files()
+    picks = line_starts(files, args.lines, args.seed)
+    report: dict = {}
+    models = {}
+    for precision in ("bf16", "fp8"):
+        target, draft = load(args.target, precision), load(args.draft, precision)
+        models[precision] = (target, draft)
+        report[precision] = {
+            "target_bits_per_byte": bits_per_byte(target, files, args.chunks, args.context_tokens, args.seed),
+            "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
+            "exact_match": exact_match(target, picks, args.context_tokens),
+            "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
+                                                 args.context_tokens, 4)[0],
+        }
+    for i, name in enumerate(("target", "draft")):
+        report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
+                                                          args.chunks, args.context_tokens, args.seed)
+    b, f = report["bf16"], report["fp8"]
+    print(f"{'':24}{'bf16':>10}{'fp8':>10}")
+    for key in ("target_bits_per_byte", "draft_bits_per_byte"):
+        print(f"{key:24}{b[key]:>10.3f}{f[key]:>10.3f}")
+    for key in ("exact_match", "draft_acceptance"):
+        print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
+    print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}, "
+          f"draft {report['draft_top1_agreement']:.2%}")
+    print(f"exact-match change: {(f['exact_match'] - b['exact_match']) * 100:+.1f} points")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
