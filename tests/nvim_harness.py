@@ -9,15 +9,13 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pynvim
 
-from server_harness import ROOT, TOKEN, ServerProcess
+from server_harness import ROOT, TOKEN, ServerProcess, running_server
 
 PLUGIN = ROOT / "editor_clients" / "neovim"
 NVIM = shutil.which("nvim")
@@ -29,39 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def server_on(port: int, *settings: str, token: str = TOKEN, timeout: float = 120):
-    """`completer serve --port PORT`, yielded once the models are loaded."""
-    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", str(port), "--token", token]
-    for s in settings:
-        cmd += ["--set", s]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    log: list[str] = []
-    try:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError("server exited:\n" + "".join(log))
-            log.append(line)
-            if "ready" in line and any(re.search(r"/v1/ws", x) for x in log):
-                break
-        else:
-            raise RuntimeError("server did not become ready:\n" + "".join(log))
-        yield ServerProcess(proc, port, log)
-    finally:
-        stop_server(proc)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server_on(port: int, *settings: str, token: str = TOKEN):
+    """`completer serve --port PORT` (the reconnect test needs the same port twice)."""
+    return running_server(*settings, token=token, port=port)
 
 
 def metric(server: ServerProcess, name: str) -> float:

@@ -32,9 +32,10 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(*settings: str, token: str = TOKEN, timeout: float = 120):
-    """`completer serve --port 0` with `--set` settings; yields once the models are loaded."""
-    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", "--token", token]
+def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, port: int = 0):
+    """`completer serve` with `--set` settings on `port` (0: an ephemeral one);
+    yields once the models are loaded."""
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", str(port), "--token", token]
     for s in settings:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -56,12 +57,17 @@ def running_server(*settings: str, token: str = TOKEN, timeout: float = 120):
             raise RuntimeError("server did not become ready:\n" + "".join(log))
         yield ServerProcess(proc, port, log)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def connect(server: ServerProcess, token: str = TOKEN, **kwargs):

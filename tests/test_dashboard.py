@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import pytest
 import websockets
