@@ -54,9 +54,11 @@ def cmd_complete(args: argparse.Namespace) -> int:
         loaded = load(args.model or DEFAULT_TARGET, args.precision, args.template)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
+    from completer.healing import TokenHealer
+
     builder = loaded.prompt_builder(args.context_tokens - args.max_tokens)
     result = complete(loaded.model, builder, prefix, suffix, name, max_tokens=args.max_tokens,
-                      mode=args.mode)
+                      mode=args.mode, healer=TokenHealer(loaded.tokenizer))
     print(result.text)
     print(f"[{loaded.name}] {result.summary()}", file=sys.stderr)
     return 0

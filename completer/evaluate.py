@@ -4,7 +4,8 @@ The held-out set is the source of `pip` in the running interpreter's
 environment (third-party code the models never saw). Figures:
 - bits per byte of target and drafter on plain file chunks;
 - greedy first-line exact match at seeded random line starts (cursor after
-  the line's indentation, rest of the file as suffix);
+  the line's indentation, rest of the file as suffix; with token healing, as
+  served);
 - the drafter's per-token greedy acceptance against the target at draft
   length k, measured along the target's own greedy continuations.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from completer.generate import complete
+from completer.healing import TokenHealer
 from completer.kv import StaticKVCache
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
 from completer.training.corpus import SourceFile, read_python_files
@@ -85,10 +87,11 @@ def line_starts(files: list[SourceFile], n: int, seed: int) -> list[tuple[Source
 
 def exact_match(lm: LoadedModel, picks, budget: int) -> float:
     builder = lm.prompt_builder(budget - 48)
+    healer = TokenHealer(lm.tokenizer)
     hits = 0
     for f, cursor, end in picks:
         result = complete(lm.model, builder, f.text[:cursor], f.text[end:], f.path,
-                          max_tokens=48, mode="line")
+                          max_tokens=48, mode="line", healer=healer)
         hits += result.text.rstrip() == f.text[cursor:end].rstrip()
     return hits / len(picks)
 

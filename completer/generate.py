@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from completer.healing import TokenHealer, consume
 from completer.kv import StaticKVCache
 from completer.model import Transformer
 from completer.prompt import PromptBuilder, Snippet
@@ -50,28 +51,34 @@ def line_mode_end(text: str) -> int | None:
 @torch.inference_mode()
 def complete(model: Transformer, builder: PromptBuilder, prefix: str, suffix: str = "",
              path: str | None = None, snippets: list[Snippet] | None = None,
-             max_tokens: int = 64, mode: Mode = "line") -> Completion:
+             max_tokens: int = 64, mode: Mode = "line",
+             healer: TokenHealer | None = None) -> Completion:
     tok = builder.tok
     prompt = builder.build(prefix, suffix, path, snippets)
-    n = len(prompt.tokens)
+    tokens, pending = prompt.tokens, b""
+    if healer is not None and builder.template.order == "spm":
+        tokens, pending = healer.back_off(prompt.tokens, prompt.prefix_tokens)
+    n = len(tokens)
     cache = StaticKVCache(model.config, 1, n + max_tokens, dtype=next(model.parameters()).dtype)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     stops = set(builder.stop_ids)
 
     started = time.perf_counter()
-    tokens = torch.tensor([prompt.tokens])
-    logits = model(tokens, torch.arange(n)[None], cache)[:, -1]
+    logits = model(torch.tensor([tokens]), torch.arange(n)[None], cache)[:, -1]
     prefill_ms = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
     text, reason, generated = "", "length", 0
     for step in range(max_tokens):
+        if pending:
+            logits = healer.constrain(logits, healer.allowed(pending, logits.shape[-1]))
         next_id = int(logits.argmax(-1))
         if next_id in stops:
             reason = "eos"
             break
         generated += 1
-        text += decoder.decode(tok.token_bytes(next_id))
+        pending, new_bytes = consume(pending, tok.token_bytes(next_id))
+        text += decoder.decode(new_bytes)
         if mode == "line" and (cut := line_mode_end(text)) is not None:
             text, reason = text[:cut], "stop"
             break

@@ -189,3 +189,19 @@ async def test_async_engine_streams_and_supersedes(models, tokenizer):
     finally:
         engine.stop()
     assert engine.core.target.blocks.usage() == 0
+
+
+def test_token_healing_constrains_the_first_tokens(models, tokenizer):
+    core = make_core(models, tokenizer)
+    heal = tokenizer.token_bytes(tokenizer.encode("def")[0])
+    p = prompts(1, seed=11)[0]
+    core.add(Request("h", p, free_mode(8), heal=heal))
+    seq = core.by_id["h"]
+    done = None
+    while core.has_work:
+        for e in core.step():
+            if isinstance(e, Finished):
+                done = e
+    spelled = b"".join(tokenizer.token_bytes(t) for t in seq.generated)
+    assert spelled.startswith(heal)
+    assert done.text == spelled[len(heal):].decode("utf-8", errors="replace")

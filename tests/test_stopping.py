@@ -75,3 +75,14 @@ def test_repetition_is_trimmed_in_line_mode_not_in_free_mode():
 @pytest.mark.parametrize("text, start", [("abcabcabcabcabcabc", 3), ("no repeat here", None)])
 def test_repetition_start(text, start):
     assert repetition_start(text) == start
+
+
+def test_token_healing_bytes_are_not_output():
+    # The prompt gave back "\n    " (healing); the model re-spells it in two tokens.
+    out = OutputText(lambda i: [b"\n  ", b"  return", b" x"][i], "line", (), heal=b"\n    ")
+    assert out.add(0) == ("", False) and out.heal == b"  "
+    delta, _ = out.add(1)
+    assert out.heal == b"" and delta == "return"
+    out.add(2)
+    out.finish()
+    assert out.text == "return x"

@@ -15,6 +15,7 @@ from completer.engine.model_runner import CachedModel
 from completer.engine.sequence import SamplingParams, Sequence, Status, Timings
 from completer.engine.speculative import NgramIndex, accept_greedy, accept_sampled, next_k
 from completer.engine.stopping import OutputText
+from completer.healing import TokenHealer
 from completer.tokenizer import TextTokenizer
 
 
@@ -24,6 +25,7 @@ class Request(msgspec.Struct, frozen=True):
     params: SamplingParams = SamplingParams()
     cursor_line: str = ""  # the prefix's last line (block mode's indentation)
     suffix: str = ""  # text after the cursor (trims what it already has)
+    heal: bytes = b""  # token healing: bytes backed off the prompt, to be re-spelled first
 
 
 class Delta(msgspec.Struct, frozen=True):
@@ -55,6 +57,7 @@ class EngineCore:
                  spec: SpecConfig = SpecConfig()):
         self.target, self.draft = target, draft
         self.tokenizer = tokenizer
+        self.healer = TokenHealer(tokenizer)
         self.stop_ids = set(stop_ids)
         self.config, self.spec = config, spec
         self.waiting: deque[Sequence] = deque()
@@ -77,7 +80,7 @@ class EngineCore:
                 raise EngineError("too_large", f"prompt of {len(request.prompt)} tokens does not fit "
                                                f"the KV cache ({cache.blocks.num_blocks - 1} blocks)")
         output = OutputText(self.tokenizer.token_bytes, request.params.mode, request.params.stop,
-                            request.cursor_line, request.suffix)
+                            request.cursor_line, request.suffix, request.heal)
         seq = Sequence(request.id, request.prompt, request.params, output, self.stop_ids)
         seq.spec_k = self.spec.k_init
         if request.params.seed is not None:
@@ -168,7 +171,14 @@ class EngineCore:
                 seq.status = Status.DECODE
                 self._append(seq, [self._sample(seq, last)])
 
+    def _healed(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """While token healing is pending, only tokens that re-spell it may follow."""
+        if not seq.output.heal:
+            return logits
+        return self.healer.constrain(logits, self.healer.allowed(seq.output.heal, logits.shape[-1]))
+
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        logits = self._healed(seq, logits)
         if seq.params.temperature <= 0:
             return int(logits.argmax())
         probs = torch.softmax(logits.float() / seq.params.temperature, dim=-1)
@@ -181,7 +191,7 @@ class EngineCore:
             needs_draft = []
             for seq in seqs:
                 k = min(seq.spec_k, seq.params.max_tokens - len(seq.generated) - 1)
-                if k <= 0:
+                if k <= 0 or seq.output.heal:  # no drafts until healing is done
                     continue
                 if self.spec.ngram:
                     if seq.ngram is None:
@@ -197,10 +207,11 @@ class EngineCore:
         logits = self.target.forward([s.target for s in seqs], rows)
         for b, seq in enumerate(seqs):
             proposal, q = proposals.get(seq.id, ([], None))
+            row = logits[b] if proposal else self._healed(seq, logits[b])
             if seq.params.temperature <= 0:
-                accepted = accept_greedy(proposal, logits[b])
+                accepted = accept_greedy(proposal, row)
             else:
-                accepted = accept_sampled(proposal, q, logits[b], seq.params.temperature, seq.generator)
+                accepted = accept_sampled(proposal, q, row, seq.params.temperature, seq.generator)
             if proposal:
                 seq.timings.draft_proposed += len(proposal)
                 seq.timings.draft_accepted += len(accepted) - 1

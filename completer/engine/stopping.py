@@ -13,6 +13,7 @@ import codecs
 from typing import Callable
 
 from completer.generate import line_mode_end
+from completer.healing import consume
 
 
 def indent_of(line: str) -> int:
@@ -64,8 +65,9 @@ class OutputText:
     """Accumulates a request's text token by token; says what may be sent."""
 
     def __init__(self, token_bytes: Callable[[int], bytes], mode: str, stop: tuple[str, ...],
-                 cursor_line: str = "", suffix: str = ""):
+                 cursor_line: str = "", suffix: str = "", heal: bytes = b""):
         self.token_bytes = token_bytes
+        self.heal = heal  # bytes the first tokens must re-spell (token healing); not output
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.mode = mode
         self.stop = tuple(s for s in stop if s)
@@ -100,7 +102,10 @@ class OutputText:
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append a token; returns (text that may be sent now, whether it ended)."""
-        self.text += self.decoder.decode(self.token_bytes(token_id))
+        new = self.token_bytes(token_id)
+        if self.heal:
+            self.heal, new = consume(self.heal, new)
+        self.text += self.decoder.decode(new)
         end = self._end()
         if end is not None:
             self.text = self.text[:end]

@@ -140,9 +140,12 @@ class Session:
             max_tokens=msg.max_tokens or engine_cfg.max_tokens, temperature=msg.temperature,
             mode=msg.mode, stop=tuple(msg.stop),
             deadline_s=max(0.0, deadline_ms / 1000 - (time.perf_counter() - received)))
-        request = Request(self.engine_id(msg.id), prompt.tokens, params,
+        tokens, heal = prompt.tokens, b""
+        if state.builder.template.order == "spm":  # the prompt ends with the prefix
+            tokens, heal = app.engine.core.healer.back_off(prompt.tokens, prompt.prefix_tokens)
+        request = Request(self.engine_id(msg.id), tokens, params,
                           cursor_line=doc.prefix[doc.prefix.rfind("\n") + 1:],
-                          suffix=doc.suffix[:SUFFIX_FOR_TRIMMING])
+                          suffix=doc.suffix[:SUFFIX_FOR_TRIMMING], heal=heal)
         stream = app.engine.submit(request, supersede=f"{self.key}/{doc.uri}")
         first_delta = None
         try:

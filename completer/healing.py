@@ -1,0 +1,52 @@
+"""Token healing: the cursor rarely sits on a token boundary the model knows.
+
+A prefix ending in `\\n        ` (a newline and 8 spaces) is tokenized with an
+8-space token, while in the training text the same spaces were mostly split
+`\\n       ` + ` return`: the model, seeing the 8-space token, continues with
+` return` and the line gets 9 spaces. So the last prefix token is taken back
+out of the prompt and its bytes become a constraint: the first generated
+tokens must spell them (or begin with them) before anything new is written.
+Those bytes are not part of the completion. Only for templates whose prompt
+ends with the prefix (SPM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from completer.tokenizer import TextTokenizer
+
+
+class TokenHealer:
+    def __init__(self, tokenizer: TextTokenizer):
+        self.vocab = [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i)
+                      for i in range(tokenizer.vocab_size)]
+        self.masks: dict[bytes, torch.Tensor] = {}
+
+    def back_off(self, tokens: list[int], prefix_tokens: int) -> tuple[list[int], bytes]:
+        """The prompt without its last prefix token, and that token's bytes."""
+        if prefix_tokens <= 0:
+            return tokens, b""
+        return tokens[:-1], self.vocab[tokens[-1]]
+
+    def allowed(self, pending: bytes, vocab_size: int) -> torch.Tensor:
+        """Tokens that agree with `pending`: they spell a prefix of it, or start
+        with all of it. A bool mask over the model's vocabulary (cached)."""
+        mask = self.masks.get(pending)
+        if mask is None:
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            for i, b in enumerate(self.vocab[:vocab_size]):
+                mask[i] = bool(b) and (b.startswith(pending) or pending.startswith(b))
+            self.masks[pending] = mask
+        return mask
+
+    @staticmethod
+    def constrain(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+
+
+def consume(pending: bytes, token: bytes) -> tuple[bytes, bytes]:
+    """(what is still pending, the new bytes of the completion) after `token`."""
+    if len(token) >= len(pending):
+        return b"", token[len(pending):]
+    return pending[len(token):], b""
