@@ -35,7 +35,8 @@ class EvalReport(msgspec.Struct):
     draft_bits_per_byte: float
     exact_match: float
     exact_match_n: int
-    draft_acceptance: float  # accepted / proposed draft tokens
+    draft_acceptance: float  # accepted / proposed draft tokens (all k of every round)
+    draft_token_acceptance: float  # accepted / (accepted + rejected): P(next draft ok | previous ok)
     draft_tokens_per_step: float  # tokens produced per target verification
     draft_k: int
     target_params: int
@@ -109,12 +110,12 @@ def greedy_tokens(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
 
 @torch.inference_mode()
 def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, budget: int, k: int,
-                     length: int = 32) -> tuple[float, float]:
+                     length: int = 32) -> tuple[float, float, float]:
     """Speculative rounds along the target's greedy continuation: the drafter
     proposes k tokens greedily, the longest prefix that matches the target's is
     accepted, and the target's next token comes free with each round."""
     builder = target.prompt_builder(budget - length - k)
-    proposed = accepted = rounds = produced = 0
+    proposed = accepted = rounds = produced = rejected = 0
     for f, cursor, end in picks:
         prompt = builder.build(f.text[:cursor], f.text[end:], f.path).tokens
         reference = greedy_tokens(target, prompt, length)
@@ -137,13 +138,15 @@ def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, budget: int
                 n_ok += 1
             proposed += min(k, len(truth))
             accepted += n_ok
+            rejected += n_ok < len(truth)
             step = min(n_ok + 1, length - i)
             seq += reference[i: i + step]
             fed = len(seq) - step  # the last `step` tokens must be (re)fed
             i += step
             rounds += 1
             produced += step
-    return accepted / max(proposed, 1), produced / max(rounds, 1)
+    return (accepted / max(proposed, 1), produced / max(rounds, 1),
+            accepted / max(accepted + rejected, 1))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,14 +166,15 @@ def main(args: argparse.Namespace) -> int:
     root, files = heldout_files()
     target, draft = load(args.target), load(args.draft)
     picks = line_starts(files, args.lines, args.seed)
-    acceptance, per_step = draft_acceptance(target, draft, picks[: args.accept_prompts],
+    acceptance, per_step, per_token = draft_acceptance(target, draft, picks[: args.accept_prompts],
                                             args.context_tokens, args.draft_k)
     report = EvalReport(
         corpus=root, files=len(files),
         target_bits_per_byte=bits_per_byte(target, files, args.chunks, args.context_tokens, args.seed),
         draft_bits_per_byte=bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
         exact_match=exact_match(target, picks, args.context_tokens), exact_match_n=len(picks),
-        draft_acceptance=acceptance, draft_tokens_per_step=per_step, draft_k=args.draft_k,
+        draft_acceptance=acceptance, draft_token_acceptance=per_token,
+        draft_tokens_per_step=per_step, draft_k=args.draft_k,
         target_params=target.model.config.num_parameters(),
         draft_params=draft.model.config.num_parameters())
     print(f"held-out corpus: {report.corpus} ({report.files} files)")
@@ -178,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft:  {report.draft_params / 1e6:.2f}M params, {report.draft_bits_per_byte:.3f} bits/byte "
           f"({report.draft_params / report.target_params:.3f} of the target)")
     print(f"first-line exact match (target, greedy): {report.exact_match:.1%} of {report.exact_match_n}")
-    print(f"draft acceptance at k={report.draft_k}: {report.draft_acceptance:.1%} per token, "
+    print(f"draft acceptance at k={report.draft_k}: {report.draft_token_acceptance:.1%} per token "
+          f"(accepted / (accepted + rejected)), {report.draft_acceptance:.1%} of all proposed, "
           f"{report.draft_tokens_per_step:.2f} tokens per target step")
     if args.json:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

@@ -59,7 +59,7 @@ def main() -> int:
             "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
             "exact_match": exact_match(target, picks, args.context_tokens),
             "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
-                                                 args.context_tokens, 4)[0],
+                                                 args.context_tokens, 4)[2],
         }
     for i, name in enumerate(("target", "draft")):
         report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
