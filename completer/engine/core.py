@@ -190,7 +190,7 @@ class EngineCore:
         if speculate:
             needs_draft = []
             for seq in seqs:
-                k = min(seq.spec_k, seq.params.max_tokens - len(seq.generated) - 1)
+                k = min(seq.spec_k, seq.params.max_tokens - seq.num_generated - 1)
                 if k <= 0 or seq.output.heal:  # no drafts until healing is done
                     continue
                 if self.spec.ngram:
@@ -256,7 +256,7 @@ class EngineCore:
             if ended:
                 reason = "stop"
                 break
-            if len(seq.generated) >= seq.params.max_tokens:
+            if seq.num_generated >= seq.params.max_tokens:
                 reason = "length"
                 break
         if reason is not None:
@@ -281,7 +281,7 @@ class EngineCore:
         t = seq.timings
         t.total_ms = (now - seq.submitted) * 1000
         t.ttft_ms = ((seq.first_token_at or now) - seq.submitted) * 1000
-        t.generated_tokens = len(seq.generated)
+        t.generated_tokens = seq.num_generated
         for cache, state in self._caches(seq):
             cache.release(state)
         seq.status = Status.FINISHED

@@ -10,10 +10,10 @@ from typing import Literal
 import msgspec
 import torch
 
+from completer.generate import Mode
 from completer.engine.speculative import NgramIndex
 from completer.engine.stopping import OutputText
 
-Mode = Literal["line", "block", "free"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -82,3 +82,8 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        """len(generated) without copying it (checked per token)."""
+        return len(self.tokens) - self.prompt_len
