@@ -170,8 +170,7 @@ async def main_async(args) -> dict:
             proposed = sum(r.proposed for r in runs)
             results[f"decode_b{batch}_{name}"] = {
                 "tok_per_s": sum(r.generated for r in runs) / decode_s,
-                "acceptance": sum(r.accepted for r in runs) / proposed if proposed else None,
-                "mean_accepted_per_step": None}
+                "acceptance": sum(r.accepted for r in runs) / proposed if proposed else None}
         on, off = results[f"decode_b{batch}_spec"], results[f"decode_b{batch}_nospec"]
         rows.append((f"decode tok/s, batch {batch}", f"{off['tok_per_s']:.0f} -> {on['tok_per_s']:.0f}",
                      f"{on['tok_per_s'] / off['tok_per_s']:.2f}x with speculation"
