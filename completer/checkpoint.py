@@ -96,11 +96,24 @@ def weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{single}: file not found (nor a sharded {index.name})")
 
 
+def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str:
+    """"auto": bf16 where the hardware computes in it natively (CUDA; CPUs with
+    AVX512-BF16 or AMX, where bf16 halves weight traffic and doubles matmul
+    rate; measured on the default target: the same bits per byte as fp32),
+    fp32 elsewhere (emulated bf16 is slower than fp32)."""
+    if precision != "auto":
+        return precision
+    if torch.device(device).type == "cuda":
+        return "bf16"
+    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
 def load_model(directory: str | Path, precision: str = "fp32",
                device: str | torch.device = "cpu") -> Transformer:
-    """precision: fp32, bf16, fp16, or fp8 (projections as completer.fp8.Fp8Linear,
-    the rest bf16)."""
+    """precision: auto, fp32, bf16, fp16, or fp8 (projections as
+    completer.fp8.Fp8Linear, the rest bf16)."""
     directory = Path(directory)
+    precision = resolve_precision(precision, device)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: model directory not found")
     cfg = parse_config(directory / "config.json")
@@ -142,7 +155,7 @@ def load_model(directory: str | Path, precision: str = "fp32",
         raise CheckpointError(f"{directory}: tensor {missing[0]!r}{more} missing from the weights")
     dtype = torch.bfloat16 if precision == "fp8" else DTYPES.get(precision)
     if dtype is None:
-        raise CheckpointError(f"unknown precision {precision!r} (known: {', '.join(DTYPES)}, fp8)")
+        raise CheckpointError(f"unknown precision {precision!r} (known: auto, {', '.join(DTYPES)}, fp8)")
     fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)

@@ -35,9 +35,14 @@ def document_at(path: Path, line: int, col: int) -> tuple[str, str]:
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
+    """One completion through the engine (the server's path), streamed to stdout."""
+    import asyncio
+
     from completer.checkpoint import CheckpointError
-    from completer.generate import complete
-    from completer.loading import DEFAULT_TARGET, load
+    from completer.engine.core import EngineError, request_for
+    from completer.engine.engine import Engine
+    from completer.engine.sequence import SamplingParams
+    from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
@@ -50,17 +55,39 @@ def cmd_complete(args: argparse.Namespace) -> int:
         prefix = stdin if args.prefix == "-" else args.prefix
         suffix = stdin if args.suffix == "-" else (args.suffix or "")
         name = None
+    # The embedded drafter speaks the embedded target's tokenizer only.
+    draft_dir = args.draft if args.draft is not None else ("" if args.model else str(DEFAULT_DRAFT))
     try:
-        loaded = load(args.model or DEFAULT_TARGET, args.precision, args.template)
+        target = load(args.model or DEFAULT_TARGET, args.precision, args.template)
+        draft = load(draft_dir, args.precision, args.template) if draft_dir else None
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
-    from completer.healing import TokenHealer
+    builder = target.prompt_builder(args.context_tokens - args.max_tokens)
+    engine = Engine.build(target, draft)
+    request = request_for("cli", builder.build(prefix, suffix, name), prefix, suffix,
+                          SamplingParams(max_tokens=args.max_tokens, mode=args.mode),
+                          engine.core.healer, builder.template.order)
 
-    builder = loaded.prompt_builder(args.context_tokens - args.max_tokens)
-    result = complete(loaded.model, builder, prefix, suffix, name, max_tokens=args.max_tokens,
-                      mode=args.mode, healer=TokenHealer(loaded.tokenizer))
-    print(result.text)
-    print(f"[{loaded.name}] {result.summary()}", file=sys.stderr)
+    async def stream():
+        engine.start()
+        try:
+            deltas = engine.submit(request)
+            async for delta in deltas:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            return await deltas.finished()
+        finally:
+            engine.stop()
+
+    try:
+        done = asyncio.run(stream())
+    except EngineError as e:
+        raise SystemExit(f"error: {e}") from None
+    t = done.timings
+    print()
+    print(f"[{target.name}] prompt {t.prompt_tokens} tok | ttft {t.ttft_ms:.1f} ms | total {t.total_ms:.1f} ms | "
+          f"generated {t.generated_tokens} tok | draft {t.draft_accepted}/{t.draft_proposed} | {done.reason}",
+          file=sys.stderr)
     return 0
 
 
@@ -117,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", help="text before the cursor (- reads stdin)")
     p.add_argument("--suffix", help="text after the cursor (- reads stdin)")
     p.add_argument("--model", type=Path, help="HF checkpoint directory (default: the embedded target)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"])
+    p.add_argument("--draft", help="drafter checkpoint directory, or '' for none "
+                                   "(default: the embedded drafter with the embedded target, else none)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp8"])
     p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
     p.add_argument("--mode", default="line", choices=["line", "block", "free"])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -129,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8750; 0 picks a free one)")
     p.add_argument("--token", help="bearer token (default: $COMPLETER_TOKEN, or the token file)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp8"], help="weights precision (fp8 is emulated on CPU)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"],
+                   help="weights precision (auto: bf16 where native; fp8 is emulated on CPU)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.set_defaults(func=cmd_serve)

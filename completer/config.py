@@ -19,12 +19,11 @@ from completer.engine.config import EngineConfig, SpecConfig
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "default"  # "default" (embedded) or an HF checkpoint directory
     draft: str = "default"  # "default", a directory, or "" for none
-    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # fp8: W8A8 linears (emulated on CPU)
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 where native, else fp32
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     template: str = ""  # FIM template; "" detects it from the tokenizer
     order: str = ""  # "psm" / "spm" to override the template's order
     context_tokens: int = 1024  # prompt + completion window
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

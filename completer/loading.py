@@ -6,7 +6,10 @@ from pathlib import Path
 
 import msgspec
 
-from completer.checkpoint import CheckpointError, load_model, load_tokenizer
+import torch
+
+from completer.checkpoint import CheckpointError, load_model, load_tokenizer, resolve_precision
+from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
 from completer.prompt import FimTemplate, PromptBuilder, get_template
 from completer.tokenizer import TextTokenizer
@@ -23,6 +26,13 @@ class LoadedModel(msgspec.Struct):
     model: Transformer
     tokenizer: TextTokenizer
     template: FimTemplate
+    precision: str = "fp32"  # as resolved ("auto" is never stored)
+    device: str = "cpu"
+
+    def describe_precision(self) -> str:
+        if self.precision == "fp8" and not has_fp8_tensor_cores(torch.device(self.device)):
+            return f"fp8 (emulated: no FP8 tensor cores on {self.device}; quantize, dequantize, fp32 matmul)"
+        return self.precision
 
     def prompt_builder(self, budget: int) -> PromptBuilder:
         return PromptBuilder(self.tokenizer, self.template, budget)
@@ -44,6 +54,7 @@ def detect_template(tokenizer: TextTokenizer) -> str:
 def load(directory: str | Path, precision: str = "fp32", template: str | None = None,
          order: str | None = None, device: str = "cpu") -> LoadedModel:
     directory = Path(directory)
+    precision = resolve_precision(precision, device)
     model = load_model(directory, precision, device)
     tokenizer = load_tokenizer(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -51,4 +62,4 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
                               f"but config.json declares vocab_size {model.config.vocab_size}")
     fim = get_template(template or detect_template(tokenizer), order)
     name = directory.name if directory.parent != PACKAGED_MODELS else f"completer-default-{directory.name}"
-    return LoadedModel(name, directory, model, tokenizer, fim)
+    return LoadedModel(name, directory, model, tokenizer, fim, precision, str(device))

@@ -27,7 +27,11 @@ from completer.engine.core import Request
 from completer.engine.engine import Engine
 from completer.engine.sequence import SamplingParams
 from completer.evaluate import heldout_files, line_starts
+from completer.checkpoint import resolve_precision
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -52,11 +56,11 @@ def median(xs: list[float]) -> float:
 
 # -- HF transformers ------------------------------------------------------------
 
-def hf_runner(target_dir: Path, draft_dir: Path):
+def hf_runner(target_dir: Path, draft_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
 
     class EndOfLine(StoppingCriteria):
         def __init__(self, tokenizer, start: int):
@@ -91,6 +95,7 @@ class EngineRun(msgspec.Struct):
     generated: int
     proposed: int
     accepted: int
+    rounds: int
 
 
 async def engine_requests(engine: Engine, prompts: list[tuple[list[int], Case]], params: SamplingParams,
@@ -101,61 +106,119 @@ async def engine_requests(engine: Engine, prompts: list[tuple[list[int], Case]],
         done = await stream.finished()
         t = done.timings
         return EngineRun(time.perf_counter() - started, t.ttft_ms, t.generated_tokens,
-                         t.draft_proposed, t.draft_accepted)
+                         t.draft_proposed, t.draft_accepted, t.draft_rounds)
 
     if concurrent:
         return list(await asyncio.gather(*(one(i, p, c) for i, (p, c) in enumerate(prompts))))
     return [await one(i, p, c) for i, (p, c) in enumerate(prompts)]
 
 
+THREADS = EngineConfig()  # the bench's --threads / --decode-threads (set in main)
+
+
 def engine_for(target: LoadedModel, draft: LoadedModel, draft_on: bool, ngram: bool,
                prefix_cache: bool = True) -> Engine:
     spec = SpecConfig(draft_model=draft_on, ngram=ngram, max_batch=64)
     config = EngineConfig(prefix_cache=prefix_cache, kv_cache_mb=512, max_running=64,
-                          prefill_chunk=16384, deadline_ms=600_000)
+                          prefill_chunk=16384, deadline_ms=600_000, threads=THREADS.threads,
+                          decode_threads=THREADS.decode_threads)
     return Engine.build(target, draft if draft_on else None, config, spec)
 
 
+SPEC_VARIANTS = (("engine_nospec", False, False), ("engine_draft", True, False),
+                 ("engine_draft_ngram", True, True))
+
+
+def decode_threads_of(args) -> int:
+    return args.decode_threads or max(1, args.threads // 2)
+
+
+def speculation(runs: list[EngineRun]) -> dict:
+    """Acceptance (accepted / proposed) and mean tokens per verifying pass
+    (the accepted drafts plus the target's own token)."""
+    proposed, accepted, rounds = (sum(getattr(r, f) for r in runs) for f in ("proposed", "accepted", "rounds"))
+    return {"acceptance": accepted / proposed if proposed else None,
+            "tokens_per_round": (accepted + rounds) / rounds if rounds else None}
+
+
+def spec_note(r: dict) -> str:
+    if r.get("acceptance") is None:
+        return ""
+    return f" (acceptance {r['acceptance']:.0%}, {r['tokens_per_round']:.2f} tok/round)"
+
+
 async def main_async(args) -> dict:
-    target, draft = load(args.target), load(args.draft)
+    global THREADS
+    args.precision = resolve_precision(args.precision)
+    THREADS = EngineConfig(threads=args.threads, decode_threads=args.decode_threads)
+    target, draft = load(args.target, args.precision), load(args.draft, args.precision)
     torch.set_num_threads(args.threads)
     builder = target.prompt_builder(args.context - 64)
     eos = builder.stop_ids
     picked = cases(args.prompts, args.seed)
     prompts = [(builder.build(c.prefix, c.suffix, c.path).tokens, c) for c in picked]
-    results: dict = {"prompts": len(prompts), "context_tokens": args.context}
+    results: dict = {"prompts": len(prompts), "context_tokens": args.context, "precision": args.precision,
+                     "threads": args.threads,
+                     "decode_threads": decode_threads_of(args)}
     rows: list[tuple[str, str, str]] = []
+    hf = hf_runner(args.target, args.draft, PRECISION_DTYPES[args.precision])
 
-    # 1. Line / block completions at batch 1: HF generate variants vs our engine.
-    hf = hf_runner(args.target, args.draft)
+    def hf_rows(key: str, case_prompts: list[list[int]], line: bool, max_new: int, variant: str) -> None:
+        times, tokens = [], 0
+        for prompt in case_prompts:
+            seconds, n = hf(prompt, target.tokenizer, max_new, line, variant, eos)
+            times.append(seconds)
+            tokens += n
+        results[key] = {"median_ms": median(times) * 1000, "tokens": tokens}
+
+    def ratio_rows(suffix: str, base_key: str, label: str) -> None:
+        base = results[base_key]["median_ms"]
+        for key in [k for k in results if k.endswith(suffix) and isinstance(results[k], dict)]:
+            r = results[key]
+            rows.append((f"{label}: {key.removesuffix(suffix)}", f"{r['median_ms']:.1f} ms",
+                         f"{base / r['median_ms']:.2f}x vs HF generate" + spec_note(r)))
+
+    # 1. Cold line / block completions at batch 1 (every prompt new to every
+    #    cache): HF generate variants vs our engine, the same work on both.
     for mode, max_new in (("line", 48), ("block", 96)):
-        line = mode == "line"
         for variant in ("plain", "assisted", "prompt_lookup"):
-            times, tokens = [], 0
-            for prompt, _ in prompts:
-                seconds, n = hf(prompt, target.tokenizer, max_new, line, variant, eos)
-                times.append(seconds)
-                tokens += n
-            results[f"hf_{variant}_{mode}"] = {"median_ms": median(times) * 1000, "tokens": tokens}
-        for name, draft_on, ngram in (("engine_nospec", False, False), ("engine_draft", True, False),
-                                      ("engine_draft_ngram", True, True)):
+            hf_rows(f"hf_{variant}_{mode}", [p for p, _ in prompts], mode == "line", max_new, variant)
+        for name, draft_on, ngram in SPEC_VARIANTS:
             engine = engine_for(target, draft, draft_on, ngram, prefix_cache=False)
             engine.start()
             params = SamplingParams(max_tokens=max_new, mode=mode)
             runs = await engine_requests(engine, prompts, params, False, f"{name}-{mode}")
             engine.stop()
-            proposed = sum(r.proposed for r in runs)
-            results[f"{name}_{mode}"] = {
-                "median_ms": median([r.seconds for r in runs]) * 1000,
-                "tokens": sum(r.generated for r in runs),
-                "acceptance": sum(r.accepted for r in runs) / proposed if proposed else None}
-        base = results[f"hf_plain_{mode}"]["median_ms"]
-        for key in [k for k in results if k.endswith(f"_{mode}") and isinstance(results[k], dict)]:
-            r = results[key]
-            rows.append((f"{mode}: {key.removesuffix('_' + mode)}", f"{r['median_ms']:.1f} ms",
-                         f"{base / r['median_ms']:.2f}x vs HF generate"))
+            results[f"{name}_{mode}"] = {"median_ms": median([r.seconds for r in runs]) * 1000,
+                                         "tokens": sum(r.generated for r in runs), **speculation(runs)}
+        ratio_rows(f"_{mode}", f"hf_plain_{mode}", f"cold {mode}")
 
-    # 2. Decode tok/s at batch 1, 4, 16, 32: speculation off / on (free mode).
+    # 2. Keystroke line completion, the editor's case: the prompt of the previous
+    #    keystroke is cached (as the engine keeps it when serving), then one more
+    #    typed character asks for the rest of the line. HF generate has no
+    #    cache across calls, so it prefills the whole prompt again.
+    typed = []
+    for c in picked:
+        doc = DocumentPrompt(builder)
+        before = doc.update(c.prefix[:-1], c.suffix, c.path).tokens
+        typed.append((before, doc.update(c.prefix, c.suffix, c.path).tokens, c))
+    for variant in ("plain", "prompt_lookup"):
+        hf_rows(f"hf_{variant}_keystroke", [p for _, p, _ in typed], True, 48, variant)
+    for name, draft_on, ngram in SPEC_VARIANTS:
+        engine = engine_for(target, draft, draft_on, ngram, prefix_cache=True)
+        engine.start()
+        runs = []
+        for i, (before, after, case) in enumerate(typed):
+            await engine_requests(engine, [(before, case)], SamplingParams(max_tokens=1, mode="line"), False,
+                                  f"{name}-prev{i}")
+            runs += await engine_requests(engine, [(after, case)], SamplingParams(max_tokens=48, mode="line"),
+                                          False, f"{name}-key{i}")
+        engine.stop()
+        results[f"{name}_keystroke"] = {"median_ms": median([r.seconds for r in runs]) * 1000,
+                                        "tokens": sum(r.generated for r in runs), **speculation(runs)}
+    ratio_rows("_keystroke", "hf_plain_keystroke", "keystroke line")
+
+    # 3. Decode tok/s at batch 1, 4, 16, 32: speculation off / on (free mode).
     for batch in args.batches:
         for name, draft_on, ngram in (("nospec", False, False), ("spec", True, True)):
             engine = engine_for(target, draft, draft_on, ngram, prefix_cache=False)
@@ -167,16 +230,13 @@ async def main_async(args) -> dict:
             wall = time.perf_counter() - started
             engine.stop()
             decode_s = max(wall - median([r.ttft_ms for r in runs]) / 1000, 1e-9)
-            proposed = sum(r.proposed for r in runs)
             results[f"decode_b{batch}_{name}"] = {
-                "tok_per_s": sum(r.generated for r in runs) / decode_s,
-                "acceptance": sum(r.accepted for r in runs) / proposed if proposed else None}
+                "tok_per_s": sum(r.generated for r in runs) / decode_s, **speculation(runs)}
         on, off = results[f"decode_b{batch}_spec"], results[f"decode_b{batch}_nospec"]
         rows.append((f"decode tok/s, batch {batch}", f"{off['tok_per_s']:.0f} -> {on['tok_per_s']:.0f}",
-                     f"{on['tok_per_s'] / off['tok_per_s']:.2f}x with speculation"
-                     + (f" (acceptance {on['acceptance']:.0%})" if on["acceptance"] is not None else "")))
+                     f"{on['tok_per_s'] / off['tok_per_s']:.2f}x with speculation" + spec_note(on)))
 
-    # 3. Warm keystroke vs cold prefill at 512 / 2k / 8k-token prompts.
+    # 4. Warm keystroke vs cold prefill at 512 / 2k / 8k-token prompts.
     text = "".join(f.text for f in heldout_files()[1])
     for size in args.ttft_sizes:
         doc = DocumentPrompt(target.prompt_builder(size))
@@ -199,7 +259,7 @@ async def main_async(args) -> dict:
         rows.append((f"TTFT at {size} tokens", f"cold {median(cold) * 1000:.1f} / warm {median(warm) * 1000:.1f} ms",
                      f"{median(cold) / median(warm):.1f}x warm"))
 
-    # 4. Keystroke TTFT at 1k / 4k / 16k-token files (window of --context tokens).
+    # 5. Keystroke TTFT at 1k / 4k / 16k-token files (window of --context tokens).
     ids = target.tokenizer.encode(text)
     per_size = {}
     for size in args.file_sizes:
@@ -237,7 +297,11 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--precision", choices=["auto", *PRECISION_DTYPES], default="auto",
+                   help="weights precision of both HF and the engine (auto: as `completer serve`)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--decode-threads", type=int, default=0,
+                   help="the engine's decode threads (0: as `completer serve`, half of --threads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--ttft-sizes", type=int, nargs="+", default=[512, 2048, 8192])
@@ -248,12 +312,13 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"engine bench: {results['prompts']} held-out prompts, batch 1 unless noted")
+    table = Table(title=f"engine bench: {results['prompts']} held-out prompts, {args.precision}, "
+                        f"{args.threads} threads (decode {results['decode_threads']}), batch 1 unless noted")
     for col in ("measure", "figure", "ratio"):
         table.add_column(col)
     for row in results["rows"]:
         table.add_row(*row)
-    Console().print(table)
+    Console(width=120).print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

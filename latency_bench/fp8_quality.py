@@ -64,6 +64,10 @@ def main() -> int:
     for i, name in enumerate(("target", "draft")):
         report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
                                                           args.chunks, args.context_tokens, args.seed)
+    # The metric's floor on these models: one bf16 rounding alone (fp32 vs bf16).
+    fp32 = load(args.target, "fp32")
+    report["target_top1_agreement_fp32_vs_bf16"] = top1_agreement(
+        fp32, models["bf16"][0], files, args.chunks, args.context_tokens, args.seed)
     b, f = report["bf16"], report["fp8"]
     print(f"{'':24}{'bf16':>10}{'fp8':>10}")
     for key in ("target_bits_per_byte", "draft_bits_per_byte"):
@@ -71,7 +75,8 @@ def main() -> int:
     for key in ("exact_match", "draft_acceptance"):
         print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
     print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}, "
-          f"draft {report['draft_top1_agreement']:.2%}")
+          f"draft {report['draft_top1_agreement']:.2%} "
+          f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
     print(f"exact-match change: {(f['exact_match'] - b['exact_match']) * 100:+.1f} points")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

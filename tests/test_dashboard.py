@@ -72,7 +72,7 @@ async def test_dashboard_shows_updating_p99():
             async with websockets.connect(page_url, max_size=None) as page_ws:
                 page = DevTools(page_ws)
                 for _ in range(100):  # real time: the page polls every 2 s
-                    updates = await page.evaluate("Number(document.body.dataset.updates || 0)")
+                    updates = await page.evaluate("Number(document.body?.dataset.updates || 0)")
                     if updates >= 4:
                         break
                     await asyncio.sleep(0.5)

@@ -104,6 +104,7 @@ def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, n
     if draft == "same":  # a perfect drafter: every draft accepted
         t = done["0"].timings
         assert t.draft_proposed > 0 and t.draft_accepted == t.draft_proposed
+        assert 0 < t.draft_rounds <= t.draft_proposed
     assert core.target.blocks.usage() == 0
 
 

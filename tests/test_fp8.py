@@ -206,3 +206,41 @@ def test_bf16_checkpoint_loads_as_fp8(tmp_path):
     ids = torch.randint(0, QWEN.vocab_size, (2, 16))
     with torch.no_grad():
         assert rel(loaded(ids), model(ids)) < 0.05
+
+
+# -- serving with precision = "fp8" (the emulation on CPU), against bf16 --------------
+
+SERVE_PROMPTS = [
+    "import os\n\n\ndef read_config(path):\n    with open(path) as f:\n        ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument(",
+    "for i, line in enumerate(lines):\n    if line.startswith('#'):\n        ",
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return ",
+    "    except ValueError as e:\n        logger.",
+]
+
+
+async def served_completions(precision: str) -> tuple[list[str], list[str]]:
+    from server_harness import collect, complete_msg, connect, running_server
+
+    with running_server(f'model.precision="{precision}"', "engine.threads=1") as server:
+        async with connect(server) as ws:
+            texts = []
+            for i, prefix in enumerate(SERVE_PROMPTS):
+                await ws.send(complete_msg(f"p{i}", prefix, mode="free", max_tokens=8))
+                deltas, done = await collect(ws, f"p{i}")
+                assert done["type"] == "done" and done["text"] == "".join(deltas)
+                texts.append(done["text"])
+        return texts, server.log
+
+
+async def test_serving_fp8_against_bf16():
+    fp8_texts, log = await served_completions("fp8")
+    assert any("precision fp8 (emulated" in line for line in log)  # labelled as such
+    bf16_texts, _ = await served_completions("bf16")
+    assert all(fp8_texts) and all(bf16_texts)
+    # Bound: the greedy completions' first characters agree on every prompt,
+    # and at least 4 of 6 whole 8-token completions are identical (measured: 5 of 6).
+    assert [t[:1] for t in fp8_texts] == [t[:1] for t in bf16_texts]
+    same = sum(a == b for a, b in zip(fp8_texts, bf16_texts))
+    assert same >= 4

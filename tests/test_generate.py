@@ -49,7 +49,7 @@ def test_complete_command_on_shipped_models():
     done = run_cli("complete", "examples/shapes.py:27:9")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip(), "empty completion"
-    assert "prompt" in done.stderr and "prefill" in done.stderr and "decode" in done.stderr
+    assert "prompt" in done.stderr and "ttft" in done.stderr and "generated" in done.stderr
 
 
 def test_complete_command_from_stdin():

@@ -24,7 +24,7 @@ from server_harness import ROOT, TOKEN
 # Skipped without Neovim on a developer's machine; in CI (CI=true) a missing nvim fails.
 pytestmark = pytest.mark.skipif(NVIM is None and not os.environ.get("CI"), reason="nvim is not installed")
 
-SETTINGS = ("model.threads=1",)
+SETTINGS = ("engine.threads=1",)
 CODE = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
 ACCEPTED = "completer_feedback_accepted_chars_total"
 SHOWN = "completer_feedback_shown_chars_total"

@@ -64,6 +64,7 @@ def test_server_messages_encode_as_specified():
     done = json.loads(encode(Done("42", "stop", "return self._items", Timings(ttft_ms=11.8))))
     assert done["type"] == "done" and done["reason"] == "stop"
     assert set(done["timings"]) == {"queue_ms", "ttft_ms", "total_ms", "prompt_tokens", "cached_tokens",
-                                    "generated_tokens", "draft_proposed", "draft_accepted", "prefill"}
+                                    "generated_tokens", "draft_proposed", "draft_accepted", "draft_rounds",
+                                    "prefill"}
     err = json.loads(encode(Error(None, "bad_request", "x")))
     assert err == {"type": "error", "id": None, "code": "bad_request", "message": "x"}

@@ -4,7 +4,8 @@ n-gram lookup proposes what followed the tail's last occurrence."""
 
 import torch
 
-from completer.engine.speculative import NgramIndex, accept_sampled, next_k
+from completer.engine.spec_policy import PROBE_EVERY, Acceptance, SpecPolicy, expected_tokens
+from completer.engine.speculative import NgramIndex, accept_sampled
 
 N = 20_000
 
@@ -36,9 +37,53 @@ def test_point_mass_proposals_keep_the_target_distribution():
     assert (empirical - torch.softmax(p_logits, -1)).abs().max() < 0.015
 
 
-def test_ngram_lookup_and_adaptive_k():
+def test_ngram_lookup():
     index = NgramIndex(2, 3)
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
     assert index.propose(tokens, 2) == [4, 5]
     assert index.propose([7, 8], 3) == []
-    assert next_k(4, 4, 4, 1, 8) == 5 and next_k(4, 4, 1, 1, 8) == 3 and next_k(4, 4, 2, 1, 8) == 4
+
+
+def test_acceptance_counts_one_miss_per_rejecting_round():
+    a = Acceptance(rate=0.5, weight=2.0, decay=1.0)
+    a.observe(4, 4)  # all accepted: 4 hits, no miss
+    a.observe(4, 1)  # 1 hit, then a miss (the 2 after it are never judged)
+    assert a.hits == 1 + 5 and a.misses == 1 + 1
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 5) == 1.0
+
+
+def measured(policy: SpecPolicy, plain: float, per_token: float, draft: float, batch: int = 1):
+    for width in range(1, policy.k_max + 2):
+        policy.costs.observe_target(batch, width, plain * (1 + per_token * (width - 1)))
+    policy.costs.observe_draft(batch, draft)
+
+
+def test_policy_speculates_only_when_it_pays():
+    policy = SpecPolicy(k_init=4, k_max=8)
+    measured(policy, plain=8.0, per_token=0.05, draft=0.8)  # a CPU-like cost profile
+    good, poor = policy.new_state(), policy.new_state()
+    for _ in range(30):
+        policy.observe(good, "draft", 4, 4)
+        policy.observe(poor, "draft", 4, 0)
+    source, k = policy.choose(good, 1, 0, True, 64)
+    assert source == "draft" and k >= 4
+    # A drafter that is always wrong costs time: plain decoding, then a 1-token probe.
+    picks = [policy.choose(poor, 1, 0, True, 64) for _ in range(PROBE_EVERY)]
+    assert picks[:-1] == [(None, 0)] * (PROBE_EVERY - 1) and picks[-1] == ("draft", 1)
+    # N-gram proposals cost no drafter steps: worth a try at a lower acceptance.
+    for _ in range(30):
+        policy.observe(poor, "ngram", 4, 1)
+    assert policy.choose(poor, 1, 6, True, 64)[0] == "ngram"
+    # Never past the token budget; the fixed rule when not adaptive.
+    assert policy.choose(good, 1, 0, True, 2)[1] <= 2
+    fixed = SpecPolicy(k_init=3, k_max=8, adaptive=False)
+    assert fixed.choose(fixed.new_state(), 1, 0, True, 64) == ("draft", 3)
+    assert fixed.choose(fixed.new_state(), 1, 5, True, 64) == ("ngram", 3)
+
+
+def test_new_sequences_start_from_the_engine_wide_acceptance():
+    policy = SpecPolicy(k_init=4, k_max=8)
+    first = policy.new_state()
+    for _ in range(200):
+        policy.observe(first, "draft", 4, 0)
+    assert policy.new_state().acceptance["draft"].rate < 0.1

@@ -14,15 +14,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing
     max_tokens: int = 64  # default per request
     deadline_ms: float = 2000.0  # default per request
+    threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
+    decode_threads: int = 0  # CPU threads for decode steps; 0 = half of `threads`, at least 1
 
 
 class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draft_model: bool = True  # drafter proposals
     ngram: bool = True  # n-gram proposals from the prompt and output
     max_batch: int = 8  # speculation off above this running batch size
-    k_init: int = 4  # initial draft length
-    k_min: int = 1
-    k_max: int = 8
+    adaptive: bool = True  # draft length (0 = none) by measured acceptance and pass costs
+    k_init: int = 4  # draft length when not adaptive
+    k_max: int = 8  # longest draft
     ngram_min: int = 2
     ngram_max: int = 4
     draft_share: float = 0.15  # share of kv_cache_mb given to the drafter's cache

@@ -13,9 +13,11 @@ import torch
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.model_runner import CachedModel
 from completer.engine.sequence import SamplingParams, Sequence, Status, Timings
-from completer.engine.speculative import NgramIndex, accept_greedy, accept_sampled, next_k
+from completer.engine.spec_policy import SpecPolicy
+from completer.engine.speculative import NgramIndex, accept_greedy, accept_sampled
 from completer.engine.stopping import OutputText
 from completer.healing import TokenHealer
+from completer.prompt import Prompt
 from completer.tokenizer import TextTokenizer
 
 
@@ -26,6 +28,20 @@ class Request(msgspec.Struct, frozen=True):
     cursor_line: str = ""  # the prefix's last line (block mode's indentation)
     suffix: str = ""  # text after the cursor (trims what it already has)
     heal: bytes = b""  # token healing: bytes backed off the prompt, to be re-spelled first
+
+
+SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
+
+
+def request_for(request_id: str, prompt: Prompt, prefix: str, suffix: str, params: SamplingParams,
+                healer: TokenHealer, order: str) -> Request:
+    """The engine request for a built prompt. When the prompt ends with the
+    prefix (SPM), token healing backs off its last token, to be re-spelled."""
+    tokens, heal = prompt.tokens, b""
+    if order == "spm":
+        tokens, heal = healer.back_off(prompt.tokens, prompt.prefix_tokens)
+    return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
+                   suffix=suffix[:SUFFIX_FOR_TRIMMING], heal=heal)
 
 
 class Delta(msgspec.Struct, frozen=True):
@@ -64,6 +80,10 @@ class EngineCore:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.events: list[Event] = []
+        self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
+        # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
+        self.prefill_threads = config.threads or torch.get_num_threads()
+        self.decode_threads = config.decode_threads or max(1, self.prefill_threads // 2)
 
     # -- requests -----------------------------------------------------------
 
@@ -82,7 +102,7 @@ class EngineCore:
         output = OutputText(self.tokenizer.token_bytes, request.params.mode, request.params.stop,
                             request.cursor_line, request.suffix, request.heal)
         seq = Sequence(request.id, request.prompt, request.params, output, self.stop_ids)
-        seq.spec_k = self.spec.k_init
+        seq.spec = self.policy.new_state()
         if request.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.params.seed)
         self.waiting.append(seq)
@@ -106,9 +126,12 @@ class EngineCore:
             elif seq.deadline is not None and now > seq.deadline:
                 self._finish(seq, "deadline")
         self._admit()
-        self._prefill()
+        if any(s.status is Status.PREFILL for s in self.running):
+            torch.set_num_threads(self.prefill_threads)
+            self._prefill()
         decoding = [s for s in self.running if s.status is Status.DECODE]
         if decoding:
+            torch.set_num_threads(self.decode_threads)
             self._decode(decoding)
         events, self.events = self.events, []
         return events
@@ -185,26 +208,33 @@ class EngineCore:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        speculate = len(seqs) <= self.spec.max_batch
         proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
-        if speculate:
+        sources: dict[str, str] = {}
+        if len(seqs) <= self.spec.max_batch:
             needs_draft = []
+            draft_ok = self.draft is not None and self.spec.draft_model
             for seq in seqs:
-                k = min(seq.spec_k, seq.params.max_tokens - seq.num_generated - 1)
-                if k <= 0 or seq.output.heal:  # no drafts until healing is done
+                budget = seq.params.max_tokens - seq.num_generated - 1
+                if budget <= 0 or seq.output.heal:  # no drafts until healing is done
                     continue
+                found: list[int] = []
                 if self.spec.ngram:
                     if seq.ngram is None:
                         seq.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max)
-                    if proposal := seq.ngram.propose(seq.tokens, k):
-                        proposals[seq.id] = (proposal, None)
-                        continue
-                if self.draft is not None and self.spec.draft_model:
+                    found = seq.ngram.propose(seq.tokens, min(self.spec.k_max, budget))
+                source, k = self.policy.choose(seq.spec, len(seqs), len(found), draft_ok, budget)
+                if source == "ngram":
+                    proposals[seq.id] = (found[:k], None)
+                elif source == "draft":
                     needs_draft.append((seq, k))
+                if source is not None:
+                    sources[seq.id] = source
             if needs_draft:
                 proposals.update(self._draft(needs_draft))
         rows = [[s.tokens[-1]] + proposals.get(s.id, ([], None))[0] for s in seqs]
+        started = time.perf_counter()
         logits = self.target.forward([s.target for s in seqs], rows)
+        winners = []
         for b, seq in enumerate(seqs):
             proposal, q = proposals.get(seq.id, ([], None))
             row = logits[b] if proposal else self._healed(seq, logits[b])
@@ -212,11 +242,16 @@ class EngineCore:
                 accepted = accept_greedy(proposal, row)
             else:
                 accepted = accept_sampled(proposal, q, row, seq.params.temperature, seq.generator)
+            winners.append(accepted)
+        # Timed up to here: choosing the tokens waits for the pass to finish (on a GPU too).
+        self.policy.costs.observe_target(len(seqs), max(map(len, rows)), time.perf_counter() - started)
+        for seq, accepted in zip(seqs, winners):
+            proposal = proposals.get(seq.id, ([], None))[0]
             if proposal:
                 seq.timings.draft_proposed += len(proposal)
                 seq.timings.draft_accepted += len(accepted) - 1
-                seq.spec_k = next_k(seq.spec_k, len(proposal), len(accepted) - 1,
-                                    self.spec.k_min, self.spec.k_max)
+                seq.timings.draft_rounds += 1
+                self.policy.observe(seq.spec, sources[seq.id], len(proposal), len(accepted) - 1)
             self._append(seq, accepted)
 
     def _draft(self, work: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
@@ -227,15 +262,19 @@ class EngineCore:
         probs: dict[str, list[torch.Tensor]] = {s.id: [] for s, _ in work}
         active = list(work)
         while active:
+            started = time.perf_counter()
             logits = self.draft.forward([s.draft for s, _ in active], [rows[s.id] for s, _ in active],
                                         last_only=True)
+            tokens = []
             for b, (seq, _) in enumerate(active):
                 if seq.params.temperature <= 0:
-                    token = int(logits[b].argmax())
+                    tokens.append(int(logits[b].argmax()))
                 else:
                     q = torch.softmax(logits[b].float() / seq.params.temperature, dim=-1)
-                    token = int(torch.multinomial(q, 1, generator=seq.generator))
+                    tokens.append(int(torch.multinomial(q, 1, generator=seq.generator)))
                     probs[seq.id].append(q)
+            self.policy.costs.observe_draft(len(work), time.perf_counter() - started)
+            for (seq, _), token in zip(active, tokens):
                 drafted[seq.id].append(token)
                 rows[seq.id] = [token]
             active = [(s, k) for s, k in active if len(drafted[s.id]) < k]

@@ -11,6 +11,7 @@ import msgspec
 import torch
 
 from completer.generate import Mode
+from completer.engine.spec_policy import SpecState
 from completer.engine.speculative import NgramIndex
 from completer.engine.stopping import OutputText
 
@@ -36,6 +37,7 @@ class Timings(msgspec.Struct):
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    draft_rounds: int = 0  # extension: verification passes that checked a proposal
     prefill: Literal["local", "remote"] = "local"
 
 
@@ -75,7 +77,7 @@ class Sequence:
         self.deadline = None if params.deadline_s is None else self.submitted + params.deadline_s
         self.first_token_at: float | None = None
         self.timings = Timings(prompt_tokens=len(prompt))
-        self.spec_k = 0  # current draft length, adapted to acceptance
+        self.spec: SpecState | None = None  # acceptance per proposal source
         self.ngram: NgramIndex | None = None  # built on first use
         self.generator: torch.Generator | None = None  # seeded sampling
 

@@ -80,11 +80,3 @@ def accept_sampled(proposal: list[int], draft_probs: torch.Tensor | None, logits
     out.append(int(torch.multinomial(p[len(proposal)], 1, generator=generator)))
     return out
 
-
-def next_k(k: int, proposed: int, accepted: int, k_min: int, k_max: int) -> int:
-    """Lengthen drafts while all are accepted; shorten when most are rejected."""
-    if proposed and accepted == proposed:
-        return min(k + 1, k_max)
-    if accepted * 2 < proposed:
-        return max(k - 1, k_min)
-    return k

@@ -195,7 +195,7 @@ def run(config: Config, token: str, token_source: str) -> int:
         else:
             draft = f", draft {loaded.draft.name}" if loaded.draft else ""
             print(f"models loaded: target {loaded.target.name} ({loaded.target.directory}){draft}; "
-                  f"ready", flush=True)
+                  f"precision {loaded.target.describe_precision()}; ready", flush=True)
 
     async def main() -> None:
         stop = asyncio.Event()

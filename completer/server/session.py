@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 
 from completer import __version__
 from completer.document import DocumentPrompt
-from completer.engine.core import EngineError, Request
+from completer.engine.core import EngineError, request_for
 from completer.engine.sequence import SamplingParams
 from completer.prompt import Snippet
 from completer.protocol import (PROTOCOL_VERSION, Cancel, Complete, Delta, Done, Error, Feedback, Hello,
@@ -25,9 +25,6 @@ from completer.server.metrics import Record
 
 if TYPE_CHECKING:
     from completer.server.app import App
-
-SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
-
 
 def display_path(uri: str) -> str:
     """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file header)."""
@@ -140,12 +137,8 @@ class Session:
             max_tokens=msg.max_tokens or engine_cfg.max_tokens, temperature=msg.temperature,
             mode=msg.mode, stop=tuple(msg.stop),
             deadline_s=max(0.0, deadline_ms / 1000 - (time.perf_counter() - received)))
-        tokens, heal = prompt.tokens, b""
-        if state.builder.template.order == "spm":  # the prompt ends with the prefix
-            tokens, heal = app.engine.core.healer.back_off(prompt.tokens, prompt.prefix_tokens)
-        request = Request(self.engine_id(msg.id), tokens, params,
-                          cursor_line=doc.prefix[doc.prefix.rfind("\n") + 1:],
-                          suffix=doc.suffix[:SUFFIX_FOR_TRIMMING], heal=heal)
+        request = request_for(self.engine_id(msg.id), prompt, doc.prefix, doc.suffix, params,
+                              app.engine.core.healer, state.builder.template.order)
         stream = app.engine.submit(request, supersede=f"{self.key}/{doc.uri}")
         first_delta = None
         try:
