@@ -64,14 +64,17 @@ class Engine:
               config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig()) -> "Engine":
         use_draft = draft is not None and spec.draft_model
         share = spec.draft_share if use_draft else 0.0
-        blocks = pool_blocks(target.model.config, config.kv_cache_mb * (1 - share), config.block_size,
-                             torch.float32)
-        target_cache = CachedModel(target.model, blocks, config.block_size, config.prefix_cache)
-        draft_cache = None
-        if use_draft:
-            draft_blocks = pool_blocks(draft.model.config, config.kv_cache_mb * share,
-                                       config.block_size, torch.float32)
-            draft_cache = CachedModel(draft.model, draft_blocks, config.block_size, config.prefix_cache)
+
+        def cached(loaded: LoadedModel, budget_mb: float) -> CachedModel:
+            model = loaded.model
+            blocks = pool_blocks(model.config, budget_mb, config.block_size, torch.float32)
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            kernel = config.paged_attention == "triton" or (config.paged_attention == "auto" and on_cuda)
+            return CachedModel(model, blocks, config.block_size, config.prefix_cache,
+                               paged_kernel=kernel, cuda_graphs=config.cuda_graphs)
+
+        target_cache = cached(target, config.kv_cache_mb * (1 - share))
+        draft_cache = cached(draft, config.kv_cache_mb * share) if use_draft else None
         builder = target.prompt_builder(1)
         core = EngineCore(target_cache, draft_cache, target.tokenizer, builder.stop_ids, config, spec)
         return cls(core)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from completer.engine.block_manager import BlockManager, chain_hashes
+from completer.engine.decode_graph import DecodeGraphs
 from completer.engine.paged_kv import KVPool, PagedBatch
 from completer.engine.sequence import CacheState
 from completer.model import Transformer
@@ -18,12 +19,19 @@ from completer.model import Transformer
 
 class CachedModel:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
-                 prefix_cache: bool = True, kv_dtype: torch.dtype = torch.float32):
+                 prefix_cache: bool = True, kv_dtype: torch.dtype = torch.float32,
+                 paged_kernel: bool = False, cuda_graphs: bool = False):
+        """paged_kernel: plain decode steps through the Triton paged-attention
+        kernel (decode_graph.py), captured as CUDA graphs if `cuda_graphs`."""
         self.model = model
         self.device = next(model.parameters()).device
         self.pool = KVPool(model.config, num_blocks, block_size, kv_dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
         self.block_size = block_size
+        self.graphs = None
+        if paged_kernel:
+            max_blocks = min(-(-model.config.max_position_embeddings // block_size), num_blocks - 1)
+            self.graphs = DecodeGraphs(model, self.pool, max_blocks, cuda_graphs)
 
     def attach(self, state: CacheState, tokens: list[int]) -> int:
         """Start a sequence: reuse cached blocks of its prompt; returns the number
@@ -43,6 +51,8 @@ class CachedModel:
         """Run each row's tokens at positions state.computed onward. Returns
         logits [B, T, V] (rows padded to the longest), or [B, V] for each row's
         last token with `last_only`. Grows block tables; advances `computed`."""
+        if self.graphs is not None and self.graphs.fits(len(rows)) and all(len(r) == 1 for r in rows):
+            return self._plain_decode(states, rows, last_only)
         width = max(len(r) for r in rows)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
@@ -60,6 +70,14 @@ class CachedModel:
             last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
             hidden = hidden[torch.arange(len(rows), device=self.device), last]
         return self.model.lm_head(hidden).float()
+
+    def _plain_decode(self, states: list[CacheState], rows: list[list[int]], last_only: bool) -> torch.Tensor:
+        for state in states:
+            self.blocks.grow(state.table, state.computed + 1)
+        logits = self.graphs.run([s.table for s in states], [s.computed for s in states], [r[0] for r in rows])
+        for state in states:
+            state.computed += 1
+        return logits if last_only else logits[:, None]
 
     def publish(self, state: CacheState, tokens: list[int]) -> None:
         """tokens[:state.computed] are accepted: offer their newly full blocks to
