@@ -71,13 +71,11 @@ class AttentionBackend(Protocol):
 
 def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-    """Grouped-query SDPA computed in fp32 whatever the weights' dtype."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
+    """Grouped-query SDPA computed in fp32 whatever the weights' dtype (the
+    K/V heads are shared in place, not copied per query group)."""
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                         is_causal=causal and mask is None,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.to(q.dtype)
 
 

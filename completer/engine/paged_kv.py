@@ -56,8 +56,13 @@ class PagedBatch:
         self.write_slots = write[valid].to(device)  # only real tokens are written
         self.valid = valid.to(device)
         self.read_slots = read.to(device)
-        keys = torch.arange(span)[None, None, None, :]
-        self.mask = (keys <= positions[:, None, :, None]).to(device)  # [B, 1, T, S]
+        # One sequence needs no mask to decode one token (it sees everything), and
+        # none to prefill from position 0 (plain causal: SDPA's fast kernel).
+        self.causal = B == 1 and T == span and T > 1
+        self.mask = None
+        if not (B == 1 and (T == 1 or self.causal)):
+            keys = torch.arange(span)[None, None, None, :]
+            self.mask = (keys <= positions[:, None, :, None]).to(device)  # [B, 1, T, S]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -67,4 +72,4 @@ class PagedBatch:
         vp[self.write_slots] = v.transpose(1, 2)[self.valid].to(vp.dtype)
         keys = kp[self.read_slots].transpose(1, 2)  # [B, Hkv, S, D]
         values = vp[self.read_slots].transpose(1, 2)
-        return attention_fp32(q, keys, values, self.mask)
+        return attention_fp32(q, keys, values, self.mask, causal=self.causal)
