@@ -12,7 +12,7 @@ import torch
 
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.model_runner import CachedModel
-from completer.engine.sequence import SamplingParams, Sequence, Status, Timings
+from completer.engine.sequence import CacheState, SamplingParams, Sequence, Status, Timings
 from completer.engine.spec_policy import SpecPolicy
 from completer.engine.speculative import NgramIndex, accept_greedy, accept_sampled
 from completer.engine.stopping import OutputText
@@ -112,6 +112,29 @@ class EngineCore:
         if (seq := self.by_id.get(request_id)) is not None:
             seq.cancelled = True
 
+    def calibrate(self, context: int = 256, reps: int = 3) -> None:
+        """Time target passes of every width (and a drafter step) once at start,
+        so speculation decides from this machine's costs from the first request
+        on; the policy keeps refining them as it runs."""
+        torch.set_num_threads(self.decode_threads)
+        widths = range(1, self.spec.k_max + 2)
+        for cache in (self.target, self.draft if self.spec.draft_model else None):
+            if cache is None or -(-(context + widths[-1]) // cache.block_size) > cache.blocks.num_free:
+                continue
+            state, tokens = CacheState(), [1] * (context + widths[-1])
+            cache.forward([state], [tokens[:context]], last_only=True)
+            for width in widths if cache is self.target else (1,):
+                for _ in range(reps):
+                    started = time.perf_counter()
+                    int(cache.forward([state], [tokens[context: context + width]]).argmax())  # waits for it
+                    seconds = time.perf_counter() - started
+                    cache.rollback(state, context)
+                    if cache is self.target:
+                        self.policy.costs.observe_target(1, width, seconds)
+                    else:
+                        self.policy.costs.observe_draft(1, seconds)
+            cache.release(state)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -207,30 +230,43 @@ class EngineCore:
         probs = torch.softmax(logits.float() / seq.params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _propose(self, seqs: list[Sequence]) -> tuple[dict[str, tuple[list[int], torch.Tensor | None]],
+                                                      dict[str, str]]:
+        """Each sequence's proposal for this step (n-gram lookup or drafter, of
+        the length the policy picks), with its source; none above `max_batch`."""
         proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
         sources: dict[str, str] = {}
-        if len(seqs) <= self.spec.max_batch:
-            needs_draft = []
-            draft_ok = self.draft is not None and self.spec.draft_model
-            for seq in seqs:
-                budget = seq.params.max_tokens - seq.num_generated - 1
-                if budget <= 0 or seq.output.heal:  # no drafts until healing is done
-                    continue
-                found: list[int] = []
-                if self.spec.ngram:
-                    if seq.ngram is None:
-                        seq.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max)
-                    found = seq.ngram.propose(seq.tokens, min(self.spec.k_max, budget))
-                source, k = self.policy.choose(seq.spec, len(seqs), len(found), draft_ok, budget)
-                if source == "ngram":
-                    proposals[seq.id] = (found[:k], None)
-                elif source == "draft":
-                    needs_draft.append((seq, k))
-                if source is not None:
-                    sources[seq.id] = source
-            if needs_draft:
-                proposals.update(self._draft(needs_draft))
+        if len(seqs) > self.spec.max_batch:
+            return proposals, sources
+        draft_ok = self.draft is not None and self.spec.draft_model
+        picks = []
+        for seq in seqs:
+            budget = seq.params.max_tokens - seq.num_generated - 1
+            if budget <= 0 or seq.output.heal:  # no drafts until healing is done
+                continue
+            found: list[int] = []
+            if self.spec.ngram:
+                if seq.ngram is None:
+                    seq.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max)
+                found = seq.ngram.propose(seq.tokens, min(self.spec.k_max, budget))
+            source, k = self.policy.choose(seq.spec, len(seqs), len(found), draft_ok, budget)
+            if source is not None:
+                picks.append((seq, source, k, found))
+        if picks and not self.policy.batch_pays([(s.spec, src, k) for s, src, k, _ in picks], len(seqs)):
+            return proposals, sources
+        needs_draft = []
+        for seq, source, k, found in picks:
+            sources[seq.id] = source
+            if source == "ngram":
+                proposals[seq.id] = (found[:k], None)
+            else:
+                needs_draft.append((seq, k))
+        if needs_draft:
+            proposals.update(self._draft(needs_draft))
+        return proposals, sources
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        proposals, sources = self._propose(seqs)
         rows = [[s.tokens[-1]] + proposals.get(s.id, ([], None))[0] for s in seqs]
         started = time.perf_counter()
         logits = self.target.forward([s.target for s in seqs], rows)

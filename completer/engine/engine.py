@@ -113,6 +113,8 @@ class Engine:
 
     def _run(self) -> None:
         core = self.core
+        if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
+            core.calibrate()
         while True:
             with self._cond:
                 while not self._inbox and not core.has_work and not self._stopping:

@@ -56,6 +56,7 @@ class PagedBatch:
         self.write_slots = write[valid].to(device)  # only real tokens are written
         self.valid = valid.to(device)
         self.read_slots = read.to(device)
+        self.read_flat = self.read_slots.flatten()
         # One sequence needs no mask to decode one token (it sees everything), and
         # none to prefill from position 0 (plain causal: SDPA's fast kernel).
         self.causal = B == 1 and T == span and T > 1
@@ -68,8 +69,10 @@ class PagedBatch:
                positions: torch.Tensor) -> torch.Tensor:
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         # [B, H, T, D] -> the real tokens' [N, H, D], into their slots.
-        kp[self.write_slots] = k.transpose(1, 2)[self.valid].to(kp.dtype)
-        vp[self.write_slots] = v.transpose(1, 2)[self.valid].to(vp.dtype)
-        keys = kp[self.read_slots].transpose(1, 2)  # [B, Hkv, S, D]
-        values = vp[self.read_slots].transpose(1, 2)
+        # (index_copy_ / index_select: several times faster than [] indexing on CPU.)
+        kp.index_copy_(0, self.write_slots, k.transpose(1, 2)[self.valid].to(kp.dtype))
+        vp.index_copy_(0, self.write_slots, v.transpose(1, 2)[self.valid].to(vp.dtype))
+        B, S = self.read_slots.shape
+        keys = kp.index_select(0, self.read_flat).view(B, S, *kp.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
+        values = vp.index_select(0, self.read_flat).view(B, S, *vp.shape[1:]).transpose(1, 2)
         return attention_fp32(q, keys, values, self.mask, causal=self.causal)

@@ -144,6 +144,17 @@ class SpecPolicy:
                 return options[0][0], 1
         return source, k
 
+    def batch_pays(self, picks: list[tuple[SpecState, Source, int]], batch: int) -> bool:
+        """Rows of one pass are padded to the widest, and every drafted row waits
+        for the longest draft: speculate only if the whole batch gains."""
+        if batch == 1 or not self.adaptive:
+            return True
+        widest = max(k for _, _, k in picks) + 1
+        drafted = max((k for _, source, k in picks if source == "draft"), default=0)
+        cost = self.costs.verify_ratio(batch, widest) + drafted * self.costs.draft_ratio(batch)
+        gained = sum(expected_tokens(state.acceptance[source].rate, k) - 1 for state, source, k in picks)
+        return (batch + gained) / cost > batch
+
     def observe(self, state: SpecState, source: Source, proposed: int, accepted: int) -> None:
         state.acceptance[source].observe(proposed, accepted)
         self.overall[source].observe(proposed, accepted)
