@@ -49,3 +49,16 @@ def test_distillation_lowers_kl_to_teacher(tmp_path):
     assert losses[-1] < losses[0]
     assert load_model(tmp_path / "draft" / "hf").config.hidden_size == 16
     assert DRAFT.num_parameters() * 8 <= TARGET.num_parameters()
+
+
+def test_init_from_starts_from_those_weights(tmp_path):
+    tok = tokenizer_dir(tmp_path)
+    first = train(tmp_path / "first", TrainSpec(model=TINY, steps=3, rows=2, seq_len=64, warmup=1),
+                  tok, log=lambda *_: None)
+    # One step at learning rate 0: the weights must be exactly the ones started from.
+    logs = []
+    again = train(tmp_path / "again", TrainSpec(model=TINY, steps=1, rows=2, seq_len=64, warmup=1, lr=0.0,
+                                                 seed=1, init_from=str(first)), tok, log=logs.append)
+    assert any("starting from the weights of" in line for line in logs)
+    a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

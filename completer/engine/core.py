@@ -116,7 +116,14 @@ class EngineCore:
         """Time target passes of every width (and a drafter step) once at start,
         so speculation decides from this machine's costs from the first request
         on; the policy keeps refining them as it runs."""
+        previous = torch.get_num_threads()
         torch.set_num_threads(self.decode_threads)
+        try:
+            self._time_passes(context, reps)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _time_passes(self, context: int, reps: int) -> None:
         widths = range(1, self.spec.k_max + 2)
         for cache in (self.target, self.draft if self.spec.draft_model else None):
             if cache is None or -(-(context + widths[-1]) // cache.block_size) > cache.blocks.num_free:

@@ -80,6 +80,11 @@ class Engine:
         return cls(core)
 
     def start(self) -> None:
+        """Calibrate speculation's pass costs (under a second, before any request
+        is timed), then run the loop on its thread."""
+        core = self.core
+        if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
+            core.calibrate()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="completer-engine", daemon=True)
         self._thread.start()
@@ -113,8 +118,6 @@ class Engine:
 
     def _run(self) -> None:
         core = self.core
-        if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
-            core.calibrate()
         while True:
             with self._cond:
                 while not self._inbox and not core.has_work and not self._stopping:

@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary size")
     p.add_argument("--teacher", type=Path, help="HF dir to distil the drafter from "
                    "(default: RUN_DIR/target/hf)")
+    p.add_argument("--init-from", type=Path, help="HF dir whose weights start the run (continue "
+                                                    "training with a fresh schedule; pick a new --seed "
+                                                    "for new examples)")
     p.add_argument("--export", type=Path, help="copy the finished HF directory here")
     p.add_argument("--checkpoint-minutes", type=float, default=10)
     p.set_defaults(func=run)
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         spec = TrainSpec(model=DRAFT, steps=args.steps or 1200, rows=args.rows,
                          seq_len=args.seq_len, lr=args.lr or 3e-3, seed=args.seed,
                          teacher=str(teacher))
+    if args.init_from:
+        spec = msgspec.structs.replace(spec, init_from=str(args.init_from))
     tokenizer = msgspec.json.decode((tokenizer_dir / "tokenizer.json").read_bytes())
     vocab = len(tokenizer["model"]["vocab"])
     if vocab != spec.model.vocab_size:

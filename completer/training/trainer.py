@@ -48,6 +48,7 @@ class TrainSpec(msgspec.Struct, frozen=True):
     seed: int = 0
     teacher: str | None = None  # HF dir of the model to distil from
     distill_weight: float = 0.9  # share of KL(teacher || student) in the loss
+    init_from: str | None = None  # HF dir whose weights start the run (continued training)
 
 
 def learning_rate(spec: TrainSpec, step: int) -> float:
@@ -98,6 +99,9 @@ def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minute
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         log(f"resumed {state_path} at step {step}")
+    elif spec.init_from:
+        model.load_state_dict(load_model(spec.init_from, "fp32").state_dict())
+        log(f"starting from the weights of {spec.init_from}")
     teacher = load_model(spec.teacher, "fp32") if spec.teacher else None
     examples = make_examples(tokenizer, spec.seq_len)
     log(f"{spec.model.num_parameters() / 1e6:.2f}M parameters, {spec.steps} steps of "
