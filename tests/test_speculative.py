@@ -2,6 +2,7 @@
 statistically on a 5-token vocabulary), for drafter and point-mass proposals;
 n-gram lookup proposes what followed the tail's last occurrence."""
 
+import pytest
 import torch
 
 from completer.engine.spec_policy import PROBE_EVERY, Acceptance, SpecPolicy, expected_tokens
@@ -87,3 +88,19 @@ def test_new_sequences_start_from_the_engine_wide_acceptance():
     for _ in range(200):
         policy.observe(first, "draft", 4, 0)
     assert policy.new_state().acceptance["draft"].rate < 0.1
+
+
+def test_a_batch_speculates_only_when_the_padded_pass_pays():
+    policy = SpecPolicy(k_init=4, k_max=8)
+    measured(policy, plain=8.0, per_token=0.05, draft=0.8)  # batch 1: cheap to widen
+    measured(policy, plain=12.0, per_token=0.1, draft=1.0, batch=4)  # batch 4: each extra token costs
+    sure, unsure = policy.new_state(), policy.new_state()
+    for _ in range(30):
+        policy.observe(sure, "ngram", 4, 4)
+        policy.observe(unsure, "ngram", 4, 1)
+    # One row with a long confident proposal pays for widening all four rows...
+    assert policy.batch_pays([(sure, "ngram", 6)], batch=4)
+    # ...a short unsure one does not: every row pays for the widest.
+    assert not policy.batch_pays([(unsure, "ngram", 4)], batch=4)
+    # Batch sizes never measured borrow the nearest measured one's ratios.
+    assert policy.costs.verify_ratio(16, 3) == policy.costs.verify_ratio(4, 3) == pytest.approx(1.2)

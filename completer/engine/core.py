@@ -112,35 +112,39 @@ class EngineCore:
         if (seq := self.by_id.get(request_id)) is not None:
             seq.cancelled = True
 
-    def calibrate(self, context: int = 256, reps: int = 3) -> None:
-        """Time target passes of every width (and a drafter step) once at start,
-        so speculation decides from this machine's costs from the first request
-        on; the policy keeps refining them as it runs."""
+    def calibrate(self, context: int = 256, reps: int = 3, batches: tuple[int, ...] = (1, 4)) -> None:
+        """Time target passes of every width (and drafter steps) at a few batch
+        sizes once at start, so speculation decides from this machine's costs
+        from the first request on; the policy keeps refining them as it runs."""
         previous = torch.get_num_threads()
         torch.set_num_threads(self.decode_threads)
         try:
-            self._time_passes(context, reps)
+            for batch in batches:
+                self._time_passes(batch, context, reps)
         finally:
             torch.set_num_threads(previous)
 
-    def _time_passes(self, context: int, reps: int) -> None:
+    def _time_passes(self, batch: int, context: int, reps: int) -> None:
         widths = range(1, self.spec.k_max + 2)
         for cache in (self.target, self.draft if self.spec.draft_model else None):
-            if cache is None or -(-(context + widths[-1]) // cache.block_size) > cache.blocks.num_free:
+            need = batch * -(-(context + widths[-1]) // cache.block_size) if cache else 0
+            if cache is None or need > cache.blocks.num_free:
                 continue
-            state, tokens = CacheState(), [1] * (context + widths[-1])
-            cache.forward([state], [tokens[:context]], last_only=True)
+            states, tokens = [CacheState() for _ in range(batch)], [1] * (context + widths[-1])
+            cache.forward(states, [tokens[:context]] * batch, last_only=True)
             for width in widths if cache is self.target else (1,):
                 for _ in range(reps):
                     started = time.perf_counter()
-                    int(cache.forward([state], [tokens[context: context + width]]).argmax())  # waits for it
+                    int(cache.forward(states, [tokens[context: context + width]] * batch).argmax())  # waits
                     seconds = time.perf_counter() - started
-                    cache.rollback(state, context)
+                    for state in states:
+                        cache.rollback(state, context)
                     if cache is self.target:
-                        self.policy.costs.observe_target(1, width, seconds)
+                        self.policy.costs.observe_target(batch, width, seconds)
                     else:
-                        self.policy.costs.observe_draft(1, seconds)
-            cache.release(state)
+                        self.policy.costs.observe_draft(batch, seconds)
+            for state in states:
+                cache.release(state)
 
     @property
     def has_work(self) -> bool:

@@ -13,6 +13,7 @@ proposes `k_init` tokens.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 Source = Literal["ngram", "draft"]
@@ -57,24 +58,24 @@ class PassCosts:
     def observe_draft(self, batch: int, seconds: float) -> None:
         _update(self.draft, batch, seconds)
 
-    def plain(self, batch: int) -> float | None:
-        """A 1-token pass at this batch: measured, or inferred from the
-        narrowest measured width through the prior."""
-        widths = sorted(w for b, w in self.target if b == batch)
-        if not widths:
-            return None
-        w = widths[0]
-        return self.target[(batch, w)] / (1 + PRIOR_WIDTH_COST * (w - 1))
+    def _nearest_batches(self, batch: int) -> list[int]:
+        """Batch sizes with a measured 1-token pass, nearest (in ratio) first."""
+        sizes = {b for b, w in self.target if w == 1}
+        return sorted(sizes, key=lambda b: abs(math.log(b / batch)))
 
     def verify_ratio(self, batch: int, width: int) -> float:
-        plain, seen = self.plain(batch), self.target.get((batch, width))
-        if plain and seen:
-            return seen / plain
+        """A pass of `width` tokens per row over a 1-token pass, at the nearest
+        batch size where both were measured."""
+        for b in self._nearest_batches(batch):
+            if (b, width) in self.target:
+                return self.target[(b, width)] / self.target[(b, 1)]
         return 1 + PRIOR_WIDTH_COST * (width - 1)
 
     def draft_ratio(self, batch: int) -> float:
-        plain, seen = self.plain(batch), self.draft.get(batch)
-        return seen / plain if plain and seen else PRIOR_DRAFT_COST
+        for b in self._nearest_batches(batch):
+            if b in self.draft:
+                return self.draft[b] / self.target[(b, 1)]
+        return PRIOR_DRAFT_COST
 
 
 def _update(table: dict, key, seconds: float) -> None:
