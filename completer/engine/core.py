@@ -133,16 +133,18 @@ class EngineCore:
             states, tokens = [CacheState() for _ in range(batch)], [1] * (context + widths[-1])
             cache.forward(states, [tokens[:context]] * batch, last_only=True)
             for width in widths if cache is self.target else (1,):
+                times = []
                 for _ in range(reps):
                     started = time.perf_counter()
                     int(cache.forward(states, [tokens[context: context + width]] * batch).argmax())  # waits
-                    seconds = time.perf_counter() - started
+                    times.append(time.perf_counter() - started)
                     for state in states:
                         cache.rollback(state, context)
-                    if cache is self.target:
-                        self.policy.costs.observe_target(batch, width, seconds)
-                    else:
-                        self.policy.costs.observe_draft(batch, seconds)
+                seconds = sorted(times)[len(times) // 2]
+                if cache is self.target:
+                    self.policy.costs.observe_target(batch, width, seconds)
+                else:
+                    self.policy.costs.observe_draft(batch, seconds)
             for state in states:
                 cache.release(state)
 

@@ -1,0 +1,89 @@
+"""Where a decode step's time goes: the torch profiler's top operators for one
+plain decode step of the target and of the drafter (batch 1, a 1,000-token
+context, through the engine's paged cache), then the pass costs the engine
+calibrates at start, which decide how far it speculates.
+
+    python latency_bench/decode_profile.py --out docs/results/decode_profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from completer.engine.config import EngineConfig
+from completer.engine.engine import Engine
+from completer.engine.model_runner import CachedModel
+from completer.engine.sequence import CacheState
+from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+
+
+def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int) -> str:
+    cache = CachedModel(loaded.model, -(-context // 16) + 8, 16)
+    state = CacheState()
+    cache.forward([state], [[1] * context], last_only=True)
+
+    def step() -> None:
+        cache.forward([state], [[7]], last_only=True)
+        cache.rollback(state, context)
+
+    for _ in range(5):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    per_step_ms = prof.key_averages().self_cpu_time_total / steps / 1000
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"{loaded.name}: {per_step_ms:.2f} ms of CPU per step ({steps} steps)\n{table}\n"
+
+
+async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int) -> str:
+    engine = Engine.build(target, draft, EngineConfig(threads=threads))
+    engine.start()  # calibrates
+    engine.stop()
+    costs = engine.core.policy.costs
+    lines = ["pass costs calibrated by the engine (decode threads "
+             f"{engine.core.decode_threads}), relative to a 1-token target pass:"]
+    for batch in sorted({b for b, _ in costs.target}):
+        widths = sorted(w for b, w in costs.target if b == batch)
+        plain = costs.target[(batch, 1)] * 1000
+        ratios = " ".join(f"{w}:{costs.verify_ratio(batch, w):.2f}" for w in widths)
+        lines.append(f"  batch {batch}: 1-token pass {plain:.2f} ms; width:ratio {ratios}; "
+                     f"drafter step {costs.draft_ratio(batch):.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rows", type=int, default=12, help="operators listed per model")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    target, draft = load(DEFAULT_TARGET, args.precision), load(DEFAULT_DRAFT, args.precision)
+    out = io.StringIO()
+    decode_threads = max(1, args.threads // 2)  # the engine's default
+    out.write(f"precision {target.precision}, decode steps on {decode_threads} thread(s) as the engine "
+              f"runs them (engine.decode_threads = half of {args.threads})\n\n")
+    torch.set_num_threads(decode_threads)
+    for loaded in (target, draft):
+        out.write(operator_table(loaded, args.context, args.steps, args.rows))
+    torch.set_num_threads(args.threads)
+    out.write(asyncio.run(pass_costs(target, draft, args.threads)))
+    print(out.getvalue())
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
