@@ -226,3 +226,17 @@ def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
     assert alone["0"].text == want["0"].text
     assert set(core.target.graphs.buckets) >= {4}  # 3 rows padded to a bucket of 4
     assert core.target.blocks.usage() == 0
+
+
+def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer):
+    core = make_core(models, tokenizer)
+    core.calibrate(context=32, reps=1)
+    widths = set(range(1, core.spec.k_max + 2))
+    for batch in (1, 4):
+        assert {w for b, w in core.policy.costs.target if b == batch} == widths
+        assert core.policy.costs.draft[batch] > 0
+    assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
+    # A pool too small to hold the dummy sequences: nothing timed, nothing held.
+    tiny = make_core(models, tokenizer, blocks=8)
+    tiny.calibrate(context=32, reps=1)
+    assert tiny.policy.costs.target == {} and tiny.target.blocks.usage() == 0

@@ -12,7 +12,7 @@ import torch
 
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.model_runner import CachedModel
-from completer.engine.sequence import CacheState, SamplingParams, Sequence, Status, Timings
+from completer.engine.sequence import SamplingParams, Sequence, Status, Timings
 from completer.engine.spec_policy import SpecPolicy
 from completer.engine.speculative import NgramIndex, accept_greedy, accept_sampled
 from completer.engine.stopping import OutputText
@@ -125,28 +125,16 @@ class EngineCore:
             torch.set_num_threads(previous)
 
     def _time_passes(self, batch: int, context: int, reps: int) -> None:
-        widths = range(1, self.spec.k_max + 2)
+        widths = list(range(1, self.spec.k_max + 2))
         for cache in (self.target, self.draft if self.spec.draft_model else None):
-            need = batch * -(-(context + widths[-1]) // cache.block_size) if cache else 0
-            if cache is None or need > cache.blocks.num_free:
+            if cache is None:
                 continue
-            states, tokens = [CacheState() for _ in range(batch)], [1] * (context + widths[-1])
-            cache.forward(states, [tokens[:context]] * batch, last_only=True)
-            for width in widths if cache is self.target else (1,):
-                times = []
-                for _ in range(reps):
-                    started = time.perf_counter()
-                    int(cache.forward(states, [tokens[context: context + width]] * batch).argmax())  # waits
-                    times.append(time.perf_counter() - started)
-                    for state in states:
-                        cache.rollback(state, context)
-                seconds = sorted(times)[len(times) // 2]
+            timed = cache.time_passes(batch, widths if cache is self.target else [1], context, reps)
+            for width, seconds in timed.items():
                 if cache is self.target:
                     self.policy.costs.observe_target(batch, width, seconds)
                 else:
                     self.policy.costs.observe_draft(batch, seconds)
-            for state in states:
-                cache.release(state)
 
     @property
     def has_work(self) -> bool:

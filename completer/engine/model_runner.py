@@ -8,6 +8,8 @@ of accepted tokens to the prefix cache.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from completer.engine.block_manager import BlockManager, chain_hashes
@@ -78,6 +80,28 @@ class CachedModel:
         for state in states:
             state.computed += 1
         return logits if last_only else logits[:, None]
+
+    def time_passes(self, batch: int, widths: list[int], context: int, reps: int) -> dict[int, float]:
+        """Median seconds of a pass adding `width` tokens to each of `batch`
+        dummy sequences of `context` tokens (nothing if the pool is too small)."""
+        need = batch * -(-(context + max(widths)) // self.block_size)
+        if need > self.blocks.num_free:
+            return {}
+        states = [CacheState() for _ in range(batch)]
+        self.forward(states, [[1] * context] * batch, last_only=True)
+        timed = {}
+        for width in widths:
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                int(self.forward(states, [[1] * width] * batch).argmax())  # waits for the result
+                times.append(time.perf_counter() - started)
+                for state in states:
+                    self.rollback(state, context)
+            timed[width] = sorted(times)[len(times) // 2]
+        for state in states:
+            self.release(state)
+        return timed
 
     def publish(self, state: CacheState, tokens: list[int]) -> None:
         """tokens[:state.computed] are accepted: offer their newly full blocks to

@@ -89,7 +89,7 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 class SpecState:
-    """One sequence's speculation: its n-gram index and acceptance per source."""
+    """One sequence's speculation: acceptance per proposal source, and how long it has gone without."""
 
     __slots__ = ("acceptance", "plain_steps")
 
