@@ -187,11 +187,12 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w * (s.reshape(()) if layout == "tensor" else s.reshape(N, 1))
 
 
-def quantize_linears(model: nn.Module) -> nn.Module:
-    """Replace every transformer projection (q, k, v, o, gate, up, down) that is
-    still an nn.Linear by an Fp8Linear, in place; returns the model."""
+def quantize_linears(model: nn.Module, names: tuple[str, ...] = LINEAR_NAMES) -> nn.Module:
+    """Replace every transformer projection (q, k, v, o, gate, up, down; or
+    only those in `names`) that is still an nn.Linear by an Fp8Linear, in
+    place; returns the model."""
     for module in list(model.modules()):
-        for name in LINEAR_NAMES:
+        for name in names:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
                 setattr(module, name, Fp8Linear.from_linear(child))

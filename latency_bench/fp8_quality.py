@@ -18,6 +18,7 @@ import torch
 
 from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, heldout_files,
                                 line_starts)
+from completer.fp8 import LINEAR_NAMES, quantize_linears
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
 
 
@@ -35,6 +36,11 @@ def top1_agreement(a: LoadedModel, b: LoadedModel, files, chunks: int, length: i
     return same / total
 
 
+def with_fp8(loaded: LoadedModel, name: str) -> LoadedModel:
+    quantize_linears(loaded.model, (name,))
+    return loaded
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET)
@@ -44,6 +50,8 @@ def main() -> int:
     p.add_argument("--accept-prompts", type=int, default=50)
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--by-projection", action="store_true",
+                   help="also: the target's agreement with only one projection type in FP8")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -68,6 +76,10 @@ def main() -> int:
     fp32 = load(args.target, "fp32")
     report["target_top1_agreement_fp32_vs_bf16"] = top1_agreement(
         fp32, models["bf16"][0], files, args.chunks, args.context_tokens, args.seed)
+    if args.by_projection:  # where the disagreement comes from
+        report["target_top1_agreement_one_projection"] = {
+            name: top1_agreement(models["bf16"][0], with_fp8(load(args.target, "bf16"), name), files,
+                                 args.chunks, args.context_tokens, args.seed) for name in LINEAR_NAMES}
     b, f = report["bf16"], report["fp8"]
     print(f"{'':24}{'bf16':>10}{'fp8':>10}")
     for key in ("target_bits_per_byte", "draft_bits_per_byte"):
@@ -77,6 +89,8 @@ def main() -> int:
     print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}, "
           f"draft {report['draft_top1_agreement']:.2%} "
           f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
+    for name, agreement in report.get("target_top1_agreement_one_projection", {}).items():
+        print(f"top-1 agreement with only {name} in FP8: {agreement:.2%}")
     print(f"exact-match change: {(f['exact_match'] - b['exact_match']) * 100:+.1f} points")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary size")
     p.add_argument("--teacher", type=Path, help="HF dir to distil the drafter from "
                    "(default: RUN_DIR/target/hf)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: RUN_DIR/tokenizer)")
     p.add_argument("--init-from", type=Path, help="HF dir whose weights start the run (continue "
                                                     "training with a fresh schedule; pick a new --seed "
                                                     "for new examples)")
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenizer_dir = args.run_dir / "tokenizer"
+    tokenizer_dir = args.tokenizer or args.run_dir / "tokenizer"
     if args.what == "tokenizer":
         from completer.tokenizer import train_bpe
         from completer.training.corpus import stdlib_corpus
