@@ -40,7 +40,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
     from completer.checkpoint import CheckpointError
     from completer.engine.core import EngineError, request_for
-    from completer.engine.engine import Engine
+    from completer.engine.engine import Engine, run_in_passing_thread
     from completer.engine.sequence import SamplingParams
     from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load
 
@@ -57,9 +57,9 @@ def cmd_complete(args: argparse.Namespace) -> int:
         name = None
     # The embedded drafter speaks the embedded target's tokenizer only.
     draft_dir = args.draft if args.draft is not None else ("" if args.model else str(DEFAULT_DRAFT))
-    try:
-        target = load(args.model or DEFAULT_TARGET, args.precision, args.template)
-        draft = load(draft_dir, args.precision, args.template) if draft_dir else None
+    try:  # torch work stays off this thread (see run_in_passing_thread)
+        target = run_in_passing_thread(load, args.model or DEFAULT_TARGET, args.precision, args.template)
+        draft = run_in_passing_thread(load, draft_dir, args.precision, args.template) if draft_dir else None
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     builder = target.prompt_builder(args.context_tokens - args.max_tokens)

@@ -18,13 +18,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from completer.engine.config import EngineConfig
-from completer.engine.engine import Engine
+from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.model_runner import CachedModel
 from completer.engine.sequence import CacheState
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
 
 
-def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int) -> str:
+def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int) -> str:
+    torch.set_num_threads(threads)
     cache = CachedModel(loaded.model, -(-context // 16) + 8, 16)
     state = CacheState()
     cache.forward([state], [[1] * context], last_only=True)
@@ -68,15 +69,13 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=12, help="operators listed per model")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    target, draft = load(DEFAULT_TARGET, args.precision), load(DEFAULT_DRAFT, args.precision)
+    target = run_in_passing_thread(load, DEFAULT_TARGET, args.precision)
+    draft = run_in_passing_thread(load, DEFAULT_DRAFT, args.precision)
     out = io.StringIO()
-    decode_threads = max(1, args.threads // 2)  # the engine's default
-    out.write(f"precision {target.precision}, decode steps on {decode_threads} thread(s) as the engine "
-              f"runs them (engine.decode_threads = half of {args.threads})\n\n")
-    torch.set_num_threads(decode_threads)
-    for loaded in (target, draft):
-        out.write(operator_table(loaded, args.context, args.steps, args.rows))
-    torch.set_num_threads(args.threads)
+    out.write(f"precision {target.precision}, {args.threads} threads\n\n")
+    for loaded in (target, draft):  # on a thread that ends, as the engine's torch work wants
+        out.write(run_in_passing_thread(operator_table, loaded, args.context, args.steps, args.rows,
+                                        args.threads))
     out.write(asyncio.run(pass_costs(target, draft, args.threads)))
     print(out.getvalue())
     if args.out:

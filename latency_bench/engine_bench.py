@@ -24,7 +24,7 @@ import torch
 from completer.document import DocumentPrompt
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import Request
-from completer.engine.engine import Engine
+from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.sequence import SamplingParams
 from completer.evaluate import heldout_files, line_starts
 from completer.checkpoint import resolve_precision
@@ -56,7 +56,7 @@ def median(xs: list[float]) -> float:
 
 # -- HF transformers ------------------------------------------------------------
 
-def hf_runner(target_dir: Path, draft_dir: Path, dtype: torch.dtype):
+def hf_runner(target_dir: Path, draft_dir: Path, dtype: torch.dtype, threads: int):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
@@ -71,6 +71,7 @@ def hf_runner(target_dir: Path, draft_dir: Path, dtype: torch.dtype):
             return torch.tensor([bool(text.strip()) and "\n" in text.lstrip()])
 
     def run(prompt: list[int], tokenizer, max_new: int, line: bool, variant: str, eos: list[int]):
+        torch.set_num_threads(threads)  # per thread; each call runs on a new one
         ids = torch.tensor([prompt])
         kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
         if line:
@@ -130,7 +131,7 @@ SPEC_VARIANTS = (("engine_nospec", False, False), ("engine_draft", True, False),
 
 
 def decode_threads_of(args) -> int:
-    return args.decode_threads or max(1, args.threads // 2)
+    return args.decode_threads or args.threads
 
 
 def speculation(runs: list[EngineRun]) -> dict:
@@ -151,7 +152,10 @@ async def main_async(args) -> dict:
     global THREADS
     args.precision = resolve_precision(args.precision)
     THREADS = EngineConfig(threads=args.threads, decode_threads=args.decode_threads)
-    target, draft = load(args.target, args.precision), load(args.draft, args.precision)
+    # Torch work off the engine's thread runs on threads that end (run_in_passing_thread):
+    # a live second OpenMP team would slow the engine's.
+    target = run_in_passing_thread(load, args.target, args.precision)
+    draft = run_in_passing_thread(load, args.draft, args.precision)
     torch.set_num_threads(args.threads)
     builder = target.prompt_builder(args.context - 64)
     eos = builder.stop_ids
@@ -161,12 +165,13 @@ async def main_async(args) -> dict:
                      "threads": args.threads,
                      "decode_threads": decode_threads_of(args)}
     rows: list[tuple[str, str, str]] = []
-    hf = hf_runner(args.target, args.draft, PRECISION_DTYPES[args.precision])
+    hf = run_in_passing_thread(hf_runner, args.target, args.draft, PRECISION_DTYPES[args.precision],
+                               args.threads)
 
     def hf_rows(key: str, case_prompts: list[list[int]], line: bool, max_new: int, variant: str) -> None:
         times, tokens = [], 0
         for prompt in case_prompts:
-            seconds, n = hf(prompt, target.tokenizer, max_new, line, variant, eos)
+            seconds, n = run_in_passing_thread(hf, prompt, target.tokenizer, max_new, line, variant, eos)
             times.append(seconds)
             tokens += n
         results[key] = {"median_ms": median(times) * 1000, "tokens": tokens}
@@ -307,7 +312,7 @@ def main() -> int:
                    help="weights precision of both HF and the engine (auto: as `completer serve`)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--decode-threads", type=int, default=0,
-                   help="the engine's decode threads (0: as `completer serve`, half of --threads)")
+                   help="the engine's decode threads (0: as --threads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--ttft-sizes", type=int, nargs="+", default=[512, 2048, 8192])

@@ -240,3 +240,15 @@ def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer)
     tiny = make_core(models, tokenizer, blocks=8)
     tiny.calibrate(context=32, reps=1)
     assert tiny.policy.costs.target == {} and tiny.target.blocks.usage() == 0
+
+
+def test_run_in_passing_thread_returns_and_raises_on_a_thread_that_ends():
+    import threading
+
+    from completer.engine.engine import run_in_passing_thread
+
+    seen = []
+    assert run_in_passing_thread(lambda a, b: seen.append(threading.current_thread()) or a + b, 2, 3) == 5
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="bad"):
+        run_in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))

@@ -79,12 +79,12 @@ async def test_line_mode_and_stop_strings(server):
 
 async def test_supersede_cancel_and_unknown_cancel(server):
     async with connect(server) as ws:
-        await ws.send(complete_msg("1", PREFIX, mode="free", max_tokens=200))
+        await ws.send(complete_msg("1", PREFIX, mode="free", max_tokens=1500))
         await ws.send(complete_msg("2", PREFIX + "x", mode="free", max_tokens=3))
         results = await collect_all(ws, ["1", "2"])
         assert results["1"][1]["reason"] == "cancelled"
         assert results["2"][1]["type"] == "done"
-        await ws.send(complete_msg("3", PREFIX, mode="free", max_tokens=200, uri="file:///other.py"))
+        await ws.send(complete_msg("3", PREFIX, mode="free", max_tokens=1500, uri="file:///other.py"))
         await ws.send(json.dumps({"type": "cancel", "id": "3"}))
         deltas, done = await collect(ws, "3")
         assert done["reason"] == "cancelled" and done["text"] == "".join(deltas)
@@ -131,7 +131,7 @@ async def test_field_named_in_error(server):
 async def test_overloaded_and_duplicate_id(server):
     async with connect(server) as ws:
         for i in range(3):
-            await ws.send(complete_msg(f"o{i}", PREFIX, uri=f"file:///f{i}.py", mode="free", max_tokens=300))
+            await ws.send(complete_msg(f"o{i}", PREFIX, uri=f"file:///f{i}.py", mode="free", max_tokens=1500))
         await ws.send(complete_msg("o0", PREFIX, uri="file:///g.py", mode="free", max_tokens=2))
         await ws.send(complete_msg("o3", PREFIX, uri="file:///f3.py", mode="free", max_tokens=2))
         errors = {}

@@ -19,7 +19,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     paged_attention: Literal["auto", "torch", "triton"] = "auto"  # decode attention; auto: triton on CUDA
     cuda_graphs: bool = True  # replay plain decode steps as CUDA graphs (with the triton kernel, on CUDA)
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
-    decode_threads: int = 0  # CPU threads for decode steps; 0 = half of `threads`, at least 1
+    decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
 
 
 class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -83,7 +83,7 @@ class EngineCore:
         self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
-        self.decode_threads = config.decode_threads or max(1, self.prefill_threads // 2)
+        self.decode_threads = config.decode_threads or self.prefill_threads
 
     # -- requests -----------------------------------------------------------
 

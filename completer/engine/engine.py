@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import torch
 
@@ -16,6 +17,32 @@ from completer.engine.core import Delta, EngineCore, EngineError, Finished, Requ
 from completer.engine.model_runner import CachedModel
 from completer.engine.paged_kv import pool_blocks
 from completer.loading import LoadedModel
+
+T = TypeVar("T")
+
+
+def run_in_passing_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) on a new thread that ends with it. Torch work off the engine
+    thread (loading models, a benchmark's baseline) goes through here: a thread
+    that ran a parallel torch op keeps its OpenMP team until it exits, and once
+    teams hold more threads than there are cores, libgomp stops spin-waiting in
+    every team, the engine's included. Measured on 2 cores: a parallel region
+    costs 5 us with one team, 48 us while a second one lives."""
+    result: list = []
+
+    def target() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:
+            result.append((False, e))
+
+    thread = threading.Thread(target=target, name="completer-passing")
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 class RequestStream:
@@ -80,14 +107,30 @@ class Engine:
         return cls(core)
 
     def start(self) -> None:
-        """Calibrate speculation's pass costs (under a second, before any request
-        is timed), then run the loop on its thread."""
-        core = self.core
-        if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
-            core.calibrate()
+        """Start the loop's thread; returns once it has calibrated speculation's
+        pass costs (under a second), so no request is timed against that. All
+        of the engine's torch work runs on that one thread (see run_in_passing_thread)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="completer-engine", daemon=True)
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            core = self.core
+            try:
+                if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
+                    core.calibrate()
+            except BaseException as e:  # reported by start(), in the caller's thread
+                failed.append(e)
+                return
+            finally:
+                ready.set()
+            self._run()
+
+        self._thread = threading.Thread(target=run, name="completer-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
 
     def stop(self) -> None:
         with self._cond:

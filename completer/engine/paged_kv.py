@@ -26,8 +26,15 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Zeroed on one thread: a parallel fill would give the building thread an
+        # OpenMP team for good (see engine.run_in_passing_thread).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        finally:
+            torch.set_num_threads(threads)
         self.block_size = block_size
         self.num_blocks = num_blocks
 

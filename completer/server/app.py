@@ -23,7 +23,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from completer.config import Config
-from completer.engine.engine import Engine
+from completer.engine.engine import Engine, run_in_passing_thread
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
 from completer.prompt import PromptBuilder
 from completer.server import security
@@ -67,7 +67,7 @@ class App:
         return self.target.prompt_builder(m.context_tokens - self.config.engine.max_tokens)
 
     async def start_engine(self) -> None:
-        await asyncio.to_thread(self.load_models)
+        await asyncio.to_thread(run_in_passing_thread, self.load_models)
         engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec)
         engine.start()
         self.engine = engine
