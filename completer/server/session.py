@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from completer import __version__
 from completer.document import DocumentPrompt
 from completer.engine.core import EngineError, request_for
-from completer.engine.sequence import SamplingParams
+from completer.engine.sequence import SamplingParams, Timings
 from completer.prompt import Snippet
 from completer.protocol import (PROTOCOL_VERSION, Cancel, Complete, Delta, Done, Error, Feedback, Hello,
                                 ModelNames, Ready, decode, encode)
@@ -40,6 +40,9 @@ class Session:
         self.documents: dict[str, DocumentPrompt] = {}
         self.inflight: dict[str, asyncio.Task] = {}
         self.inflight_uri: dict[str, str] = {}  # id -> document uri (supersede)
+        # Cancels that may arrive before their request reaches the engine (both
+        # frames read in one go, the request's task not yet run).
+        self.cancelled: set[str] = set()
         self.shown: OrderedDict[str, int] = OrderedDict()  # id -> chars shown, for feedback
 
     def engine_id(self, request_id: str) -> str:
@@ -78,6 +81,7 @@ class Session:
             await self.start(msg, received)
         elif isinstance(msg, Cancel):
             if msg.id in self.inflight:
+                self.cancelled.add(msg.id)
                 self.app.engine.cancel(self.engine_id(msg.id))
         elif isinstance(msg, Feedback):
             shown = self.shown.pop(msg.id, None)
@@ -121,6 +125,7 @@ class Session:
         def forget(_: asyncio.Task) -> None:
             self.inflight.pop(msg.id, None)
             self.inflight_uri.pop(msg.id, None)
+            self.cancelled.discard(msg.id)
 
         task.add_done_callback(forget)
 
@@ -139,6 +144,9 @@ class Session:
             deadline_s=max(0.0, deadline_ms / 1000 - (time.perf_counter() - received)))
         request = request_for(self.engine_id(msg.id), prompt, doc.prefix, doc.suffix, params,
                               app.engine.core.healer, state.builder.template.order)
+        if msg.id in self.cancelled:  # cancelled before it got here
+            await self.send(Done(msg.id, "cancelled", "", Timings(prompt_tokens=len(request.prompt))))
+            return
         stream = app.engine.submit(request, supersede=f"{self.key}/{doc.uri}")
         first_delta = None
         try:
