@@ -51,8 +51,11 @@ class PassCosts:
     def __init__(self) -> None:
         self.target: dict[tuple[int, int], float] = {}
         self.draft: dict[int, float] = {}
+        self._nearest: dict[int, list[int]] = {}  # asked per step and row: cached
 
     def observe_target(self, batch: int, width: int, seconds: float) -> None:
+        if width == 1 and (batch, 1) not in self.target:
+            self._nearest.clear()
         _update(self.target, (batch, width), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
@@ -60,8 +63,10 @@ class PassCosts:
 
     def _nearest_batches(self, batch: int) -> list[int]:
         """Batch sizes with a measured 1-token pass, nearest (in ratio) first."""
-        sizes = {b for b, w in self.target if w == 1}
-        return sorted(sizes, key=lambda b: abs(math.log(b / batch)))
+        if batch not in self._nearest:
+            sizes = {b for b, w in self.target if w == 1}
+            self._nearest[batch] = sorted(sizes, key=lambda b: abs(math.log(b / batch)))
+        return self._nearest[batch]
 
     def verify_ratio(self, batch: int, width: int) -> float:
         """A pass of `width` tokens per row over a 1-token pass, at the nearest
