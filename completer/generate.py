@@ -29,12 +29,6 @@ class Completion(msgspec.Struct):
     prefill_ms: float
     decode_ms: float
 
-    def summary(self) -> str:
-        rate = self.generated_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
-        return (f"prompt {self.prompt_tokens} tok | prefill {self.prefill_ms:.1f} ms | "
-                f"generated {self.generated_tokens} tok | decode {self.decode_ms:.1f} ms "
-                f"({rate:.1f} tok/s) | {self.reason}")
-
 
 def line_mode_end(text: str) -> int | None:
     """Where a `line` completion ends: the first newline after some visible text

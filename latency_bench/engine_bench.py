@@ -130,10 +130,6 @@ SPEC_VARIANTS = (("engine_nospec", False, False), ("engine_draft", True, False),
                  ("engine_draft_ngram", True, True))
 
 
-def decode_threads_of(args) -> int:
-    return args.decode_threads or args.threads
-
-
 def speculation(runs: list[EngineRun]) -> dict:
     """Acceptance (accepted / proposed) and mean tokens per verifying pass
     (the accepted drafts plus the target's own token)."""
@@ -163,7 +159,7 @@ async def main_async(args) -> dict:
     prompts = [(builder.build(c.prefix, c.suffix, c.path).tokens, c) for c in picked]
     results: dict = {"prompts": len(prompts), "context_tokens": args.context, "precision": args.precision,
                      "threads": args.threads,
-                     "decode_threads": decode_threads_of(args)}
+                     "decode_threads": args.decode_threads or args.threads}  # as EngineCore resolves it
     rows: list[tuple[str, str, str]] = []
     hf = run_in_passing_thread(hf_runner, args.target, args.draft, PRECISION_DTYPES[args.precision],
                                args.threads)

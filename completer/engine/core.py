@@ -302,18 +302,16 @@ class EngineCore:
             started = time.perf_counter()
             logits = self.draft.forward([s.draft for s, _ in active], [rows[s.id] for s, _ in active],
                                         last_only=True)
-            tokens = []
             for b, (seq, _) in enumerate(active):
                 if seq.params.temperature <= 0:
-                    tokens.append(int(logits[b].argmax()))
+                    token = int(logits[b].argmax())
                 else:
                     q = torch.softmax(logits[b].float() / seq.params.temperature, dim=-1)
-                    tokens.append(int(torch.multinomial(q, 1, generator=seq.generator)))
+                    token = int(torch.multinomial(q, 1, generator=seq.generator))
                     probs[seq.id].append(q)
-            self.policy.costs.observe_draft(len(work), time.perf_counter() - started)
-            for (seq, _), token in zip(active, tokens):
                 drafted[seq.id].append(token)
                 rows[seq.id] = [token]
+            self.policy.costs.observe_draft(len(active), time.perf_counter() - started)
             active = [(s, k) for s, k in active if len(drafted[s.id]) < k]
         return {sid: (toks, torch.stack(probs[sid]) if probs[sid] else None)
                 for sid, toks in drafted.items()}

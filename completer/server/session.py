@@ -26,6 +26,7 @@ from completer.server.metrics import Record
 if TYPE_CHECKING:
     from completer.server.app import App
 
+
 def display_path(uri: str) -> str:
     """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file header)."""
     path = unquote(urlsplit(uri).path) or uri
