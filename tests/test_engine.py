@@ -195,6 +195,34 @@ async def test_async_engine_streams_and_supersedes(models, tokenizer):
     assert engine.core.target.blocks.usage() == 0
 
 
+async def test_a_failing_step_ends_its_requests_as_internal_and_the_engine_goes_on(models, tokenizer):
+    core = make_core(models, tokenizer)
+    engine = Engine(core)
+    engine.start()
+    decode, calls = core._decode, []
+
+    def decode_that_fails_once(seqs):  # a fault injected into one step (nothing else is faked)
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return decode(seqs)
+
+    core._decode = decode_that_fails_once
+    try:
+        p = prompts(2, seed=3)
+        with pytest.raises(EngineError) as e:
+            await asyncio.wait_for(engine.submit(Request("a", p[0], free_mode(30))).finished(), 30)
+        assert e.value.code == "internal" and "RuntimeError: injected fault" in str(e.value)
+        assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
+        assert not core.running and not core.by_id
+        # The engine thread lives on: the next request decodes to its length.
+        after = await asyncio.wait_for(engine.submit(Request("b", p[1], free_mode(8))).finished(), 30)
+        assert after.reason == "length" and after.timings.generated_tokens == 8
+    finally:
+        engine.stop()
+    assert len(calls) > 1 and core.target.blocks.usage() == 0
+
+
 def test_token_healing_constrains_the_first_tokens(models, tokenizer):
     core = make_core(models, tokenizer)
     heal = tokenizer.token_bytes(tokenizer.encode("def")[0])

@@ -356,6 +356,10 @@ class EngineCore:
         t.total_ms = (now - seq.submitted) * 1000
         t.ttft_ms = ((seq.first_token_at or now) - seq.submitted) * 1000
         t.generated_tokens = seq.num_generated
+        self._drop(seq)
+        self.events.append(Finished(seq.id, reason, text, t))
+
+    def _drop(self, seq: Sequence) -> None:
         for cache, state in self._caches(seq):
             cache.release(state)
         seq.status = Status.FINISHED
@@ -364,4 +368,17 @@ class EngineCore:
         else:
             self.waiting.remove(seq)
         del self.by_id[seq.id]
-        self.events.append(Finished(seq.id, reason, text, t))
+
+    def fail_running(self, message: str) -> list[tuple[str, Delta | EngineError]]:
+        """After step() raised: the running requests end with an `internal`
+        error and give back their blocks (K/V past `computed` is never
+        published, so nothing half-written is reused); the waiting ones keep
+        their place. Returns the events to deliver, the step's deltas first."""
+        for seq in self.waiting:  # the one being admitted may hold blocks
+            for cache, state in self._caches(seq):
+                cache.release(state)
+        failed = list(self.running)
+        for seq in failed:
+            self._drop(seq)
+        events, self.events = self.events, []
+        return [(e.id, e) for e in events] + [(s.id, EngineError("internal", message)) for s in failed]

@@ -6,6 +6,7 @@ events back with `call_soon_threadsafe`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -19,6 +20,7 @@ from completer.engine.paged_kv import pool_blocks
 from completer.loading import LoadedModel
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def run_in_passing_thread(fn: Callable[..., T], *args) -> T:
@@ -177,7 +179,16 @@ class Engine:
                     core.add(arg)
                 except EngineError as e:
                     events.append((arg.id, e))
-            events += [(e.id, e) for e in core.step()] if core.has_work else []
+                except Exception as e:  # a bug: this request fails, the engine goes on
+                    log.exception("engine: request %s failed to start", arg.id)
+                    events.append((arg.id, EngineError("internal", f"{type(e).__name__}: {e}")))
+            if core.has_work:
+                try:
+                    events += [(e.id, e) for e in core.step()]
+                except Exception as e:  # fail this step's requests, not the server
+                    log.exception("engine step failed; its %d running requests end with an internal error",
+                                  len(core.running))
+                    events += core.fail_running(f"{type(e).__name__}: {e}")
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 
