@@ -44,10 +44,12 @@ class EvalReport(msgspec.Struct):
 
 
 def heldout_files() -> tuple[str, list[SourceFile]]:
+    """Held-out code: the installed pip's sources (training reads only the
+    standard library). Named by pip's version, which the figures depend on."""
     import pip
 
     root = Path(pip.__file__).parent
-    return str(root), read_python_files(root, exclude_dirs=("__pycache__",))
+    return f"pip {pip.__version__} sources", read_python_files(root, exclude_dirs=("__pycache__",))
 
 
 @torch.inference_mode()
