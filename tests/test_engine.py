@@ -242,8 +242,9 @@ def test_token_healing_constrains_the_first_tokens(models, tokenizer):
 @pytest.mark.parametrize("draft", [None, "other"])
 def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
     """The GPU decode path (static buffers, Triton paged attention reading the
-    block tables, padded batch buckets) on CPU under the Triton interpreter:
-    the same greedy text as the gather + SDPA path, alone and three at once."""
+    block tables, padded batch buckets; verify passes through KernelBatch) on
+    CPU under the Triton interpreter: the same greedy text as the gather +
+    SDPA path, alone and three at once."""
     ps = prompts(3, seed=3)
     requests = [Request(str(i), p, free_mode(12)) for i, p in enumerate(ps)]
     want = run(make_core(models, tokenizer, draft=draft), requests)
@@ -253,6 +254,8 @@ def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
     assert {k: f.text for k, f in together.items()} == {k: f.text for k, f in want.items()}
     assert alone["0"].text == want["0"].text
     assert set(core.target.graphs.buckets) >= {4}  # 3 rows padded to a bucket of 4
+    if draft is not None:  # verify passes ran, through KernelBatch (widths <= k_max + 1)
+        assert sum(f.timings.draft_rounds for f in together.values()) > 0
     assert core.target.blocks.usage() == 0
 
 

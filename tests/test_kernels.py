@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from completer.engine.decode_graph import KernelBatch  # noqa: E402
 from completer.engine.paged_kv import KVPool, PagedBatch  # noqa: E402
 from completer.model import ModelConfig  # noqa: E402
 from completer_kernels.fp8_gemm import (expand_block_scales, fp8_gemm_blockwise,  # noqa: E402
@@ -160,6 +161,32 @@ def test_paged_attention_matches_paged_batch_decode_step():
     lens = (positions[:, 0] + 1).int()
     got = paged_decode_attention(q[:, :, 0], pool.k[0], pool.v[0], table, lens, bs, partition=8, tile=4)
     torch.testing.assert_close(got, expected[:, :, 0], atol=ATTN_ATOL, rtol=0)
+
+
+def test_kernel_batch_matches_paged_batch_for_several_new_tokens():
+    """A verify-like pass (rows of 3, 1 and 5 new tokens, padded to 5): the
+    kernel backend writes the same K/V slots and attends causally among the
+    new tokens as PagedBatch's gather + SDPA does."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32,
+                      intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    bs = 4
+    tables = [[3, 7, 1, 12], [5, 2, 9, 11], [6, 4, 8]]
+    num_new = [3, 1, 5]
+    last = [11, 14, 9]  # position of each row's last new token
+    positions = torch.stack([torch.arange(p - n + 1, p - n + 6).clamp(max=p) for p, n in zip(last, num_new)])
+    q, k, v = torch.randn(3, 4, 5, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    pools = [KVPool(cfg, 16, bs), KVPool(cfg, 16, bs)]
+    for pool in pools:
+        torch.manual_seed(1)
+        pool.k.normal_()
+        pool.v.normal_()
+    expected = PagedBatch(pools[0], tables, positions, num_new).attend(0, q, k, v, positions)
+    got = KernelBatch(pools[1], tables, positions, num_new).attend(0, q, k, v, positions)
+    valid = torch.arange(5)[None, :] < torch.tensor(num_new)[:, None]  # padding queries are ignored
+    torch.testing.assert_close(got.transpose(1, 2)[valid], expected.transpose(1, 2)[valid], atol=ATTN_ATOL, rtol=0)
+    torch.testing.assert_close(pools[1].k, pools[0].k, atol=0, rtol=0)  # same slots written
+    torch.testing.assert_close(pools[1].v, pools[0].v, atol=0, rtol=0)
 
 
 # The interpreter runs Python, so it misses what only the compiler rejects (a

@@ -1,7 +1,9 @@
-"""Plain decode steps (one new token per sequence) on the GPU path: the Triton
-paged-attention kernel reads K/V through the block tables in place (no gather
-copy), and on CUDA each padded batch size is captured once as a CUDA graph and
-replayed, so a step costs one launch instead of hundreds.
+"""Decode steps on the GPU path: the Triton paged-attention kernel reads K/V
+through the block tables in place (no gather copy). Plain steps (one new token
+per sequence) are captured on CUDA as one CUDA graph per padded batch size and
+replayed, so a step costs one launch instead of hundreds; passes of a few new
+tokens per sequence (speculative verify, short warm prefills) run eagerly
+through `KernelBatch`.
 
 Everything a step reads lives in static buffers that `run` fills first: the
 new tokens and their positions, the block tables, context lengths and the
@@ -41,6 +43,45 @@ class StaticDecodeBackend:
         out = paged_decode_attention(q[:, :, 0].float().contiguous(), kp, vp, self.tables, self.lens,
                                      self.pool.block_size)
         return out[:, :, None].to(q.dtype)
+
+
+class KernelBatch:
+    """`model.AttentionBackend` for a few new tokens per row (up to MAX_NEW):
+    each new token is one query of the paged kernel, reading its row's block
+    table up to its own position, which makes it causal among the new tokens.
+    The same K/V blocks are read once per query; at verify widths (k + 1 <= 9)
+    that stays in cache, where a gather would copy the whole context."""
+
+    MAX_NEW = 16
+
+    def __init__(self, pool: KVPool, tables: list[list[int]], positions: torch.Tensor, num_new: list[int]):
+        """positions: [B, T] of the new tokens (padding past num_new[b] repeats the last one)."""
+        device, bs = pool.k.device, pool.block_size
+        B, T = positions.shape
+        width = -(-(int(positions.max()) + 1) // bs)
+        table = torch.zeros(B, width, dtype=torch.long)
+        for b, row in enumerate(tables):
+            row = row[:width]
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        valid = torch.arange(T)[None, :] < torch.tensor(num_new)[:, None]
+        slots = table.gather(1, positions // bs) * bs + positions % bs
+        self.pool = pool
+        self.write_slots = slots[valid].to(device)
+        self.valid = valid.to(device)
+        self.tables = table.int().repeat_interleave(T, 0).to(device)  # one row per query
+        self.lens = (positions + 1).flatten().int().to(device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        from completer_kernels.paged_attention import paged_decode_attention
+
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp.index_copy_(0, self.write_slots, k.transpose(1, 2)[self.valid].to(kp.dtype))
+        vp.index_copy_(0, self.write_slots, v.transpose(1, 2)[self.valid].to(vp.dtype))
+        B, H, T, D = q.shape
+        queries = q.transpose(1, 2).reshape(B * T, H, D).float().contiguous()
+        out = paged_decode_attention(queries, kp, vp, self.tables, self.lens, self.pool.block_size)
+        return out.view(B, T, H, D).transpose(1, 2).to(q.dtype)
 
 
 class _Bucket:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from completer.engine.block_manager import BlockManager, chain_hashes
-from completer.engine.decode_graph import DecodeGraphs
+from completer.engine.decode_graph import DecodeGraphs, KernelBatch
 from completer.engine.paged_kv import KVPool, PagedBatch
 from completer.engine.sequence import CacheState
 from completer.model import Transformer
@@ -23,8 +23,9 @@ class CachedModel:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
                  prefix_cache: bool = True, kv_dtype: torch.dtype = torch.float32,
                  paged_kernel: bool = False, cuda_graphs: bool = False):
-        """paged_kernel: plain decode steps through the Triton paged-attention
-        kernel (decode_graph.py), captured as CUDA graphs if `cuda_graphs`."""
+        """paged_kernel: passes of up to KernelBatch.MAX_NEW new tokens per row
+        through the Triton paged-attention kernel (decode_graph.py); plain
+        decode steps captured as CUDA graphs if `cuda_graphs`."""
         self.model = model
         self.device = next(model.parameters()).device
         self.pool = KVPool(model.config, num_blocks, block_size, kv_dtype, self.device)
@@ -64,7 +65,8 @@ class CachedModel:
             # Padding repeats the last real position: harmless, never written.
             span = torch.arange(state.computed, state.computed + width)
             positions[b] = span.clamp(max=state.computed + len(row) - 1)
-        batch = PagedBatch(self.pool, [s.table for s in states], positions, [len(r) for r in rows])
+        backend = KernelBatch if self.graphs is not None and width <= KernelBatch.MAX_NEW else PagedBatch
+        batch = backend(self.pool, [s.table for s in states], positions, [len(r) for r in rows])
         hidden = self.model.hidden_states(tokens.to(self.device), positions.to(self.device), batch)
         for state, row in zip(states, rows):
             state.computed += len(row)
