@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, heldout_files,
                                 line_starts)
-from completer.fp8 import LINEAR_NAMES, quantize_linears
+from completer.fp8 import LINEAR_NAMES, quantize_linears, quantize_rows
 from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
 
 
@@ -41,6 +42,55 @@ def with_fp8(loaded: LoadedModel, name: str) -> LoadedModel:
     return loaded
 
 
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """The e4m3 round trip the FP8 path applies (per-row scales), in fp32."""
+    q, s = quantize_rows(x)
+    return q.float() * s[..., None]
+
+
+def mantissa_rounded(bits: int):
+    """Round fp32 to `bits` mantissa bits, nearest even, with fp32's range: a
+    float format like e4m3 (bits = 3) but without its range limits."""
+    drop = 23 - bits
+
+    def round_(x: torch.Tensor) -> torch.Tensor:
+        b = x.float().contiguous().view(torch.int32)
+        b = (b + (1 << (drop - 1)) - 1 + ((b >> drop) & 1)) & ~((1 << drop) - 1)
+        return b.view(torch.float32)
+    return round_
+
+
+class WhatIfLinear(nn.Module):
+    """A projection that rounds its input and its weight each its own way, then
+    multiplies in fp32: to see which operand, and how many bits, the model's
+    decisions are sensitive to."""
+
+    def __init__(self, linear: nn.Linear, round_input, round_weight):
+        super().__init__()
+        self.round_input = round_input
+        self.weight = round_weight(linear.weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.round_input(x.float()) @ self.weight.T).to(x.dtype)
+
+
+def what_if(directory: Path, round_input, round_weight) -> LoadedModel:
+    loaded = load(directory, "bf16")
+    for module in list(loaded.model.modules()):
+        for name in LINEAR_NAMES:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                setattr(module, name, WhatIfLinear(child, round_input, round_weight))
+    return loaded
+
+
+WHAT_IF = {  # name -> (input rounding, weight rounding)
+    "weights only in e4m3": (lambda x: x, dequantized),
+    "activations only in e4m3": (dequantized, lambda w: w),
+    **{f"{bits}-bit mantissa, both": (mantissa_rounded(bits),) * 2 for bits in (3, 4, 5)},
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET)
@@ -52,6 +102,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--by-projection", action="store_true",
                    help="also: the target's agreement with only one projection type in FP8")
+    p.add_argument("--what-if", action="store_true",
+                   help="also: the target's agreement with only weights or only activations in e4m3, "
+                        "and with 3, 4 and 5 mantissa bits in both")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -80,6 +133,11 @@ def main() -> int:
         report["target_top1_agreement_one_projection"] = {
             name: top1_agreement(models["bf16"][0], with_fp8(load(args.target, "bf16"), name), files,
                                  args.chunks, args.context_tokens, args.seed) for name in LINEAR_NAMES}
+    if args.what_if:  # which operand, and how many mantissa bits the bar would take
+        report["target_top1_agreement_what_if"] = {
+            name: top1_agreement(models["bf16"][0], what_if(args.target, *rounding), files,
+                                 args.chunks, args.context_tokens, args.seed)
+            for name, rounding in WHAT_IF.items()}
     b, f = report["bf16"], report["fp8"]
     print(f"{'':24}{'bf16':>10}{'fp8':>10}")
     for key in ("target_bits_per_byte", "draft_bits_per_byte"):
@@ -91,6 +149,8 @@ def main() -> int:
           f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
     for name, agreement in report.get("target_top1_agreement_one_projection", {}).items():
         print(f"top-1 agreement with only {name} in FP8: {agreement:.2%}")
+    for name, agreement in report.get("target_top1_agreement_what_if", {}).items():
+        print(f"top-1 agreement, {name}: {agreement:.2%}")
     print(f"exact-match change: {(f['exact_match'] - b['exact_match']) * 100:+.1f} points")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
