@@ -178,9 +178,15 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
-        return TextTokenizer.from_file(path)
+        tokenizer = TextTokenizer.from_file(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+    if tokenizer.sentencepiece_style:
+        raise CheckpointError(
+            f"{path}: a SentencePiece-style tokenizer (words as '\u2581' pieces, as in Llama 2, "
+            "CodeLlama, Mistral); completer supports byte-level BPE tokenizers (Qwen2.5-Coder, "
+            "StarCoder2, DeepSeek-Coder, Llama 3)")
+    return tokenizer
 
 
 def config_json(cfg: ModelConfig) -> dict:

@@ -34,6 +34,15 @@ class TextTokenizer:
         return cls(Tokenizer.from_file(str(path)), Path(path))
 
     @property
+    def sentencepiece_style(self) -> bool:
+        """Words as '\u2581' pieces with a dummy prefix space (Llama 2, CodeLlama,
+        Mistral): each separately encoded chunk would gain a leading space and
+        pieces are not bytes, which incremental prompts and streaming rely on."""
+        spec = json.loads(self.tokenizer.to_str())
+        parts = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")}
+        return "\u2581" in json.dumps(parts, ensure_ascii=False)
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 

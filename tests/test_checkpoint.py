@@ -102,6 +102,26 @@ def test_missing_config_and_tokenizer(saved, tmp_path):
         load_model(d)
 
 
+def test_sentencepiece_tokenizer_is_refused_by_name(saved, tmp_path):
+    """A Llama-2 / CodeLlama-style tokenizer ('\u2581' pieces, dummy prefix space)
+    stops the load with a message that says so, instead of prompts whose
+    chunks each gain a space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(["def f(x):\n    return x\n"] * 20,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "\u2581<PRE>"]))
+    d = copy(saved, tmp_path)
+    tok.save(str(d / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: a SentencePiece-style tokenizer .*CodeLlama.*"
+                                              r"byte-level BPE"):
+        load(d)
+    load(saved)  # the byte-level one loads
+
+
 def test_error_is_one_line(saved, tmp_path):
     d = copy(saved, tmp_path)
     (d / "config.json").write_text("{not json")
