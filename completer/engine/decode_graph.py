@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from completer.engine.paged_kv import KVPool
+from completer.engine.paged_kv import KVPool, write_new_kv
 from completer.model import Transformer
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -75,9 +75,7 @@ class KernelBatch:
                positions: torch.Tensor) -> torch.Tensor:
         from completer_kernels.paged_attention import paged_decode_attention
 
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        kp.index_copy_(0, self.write_slots, k.transpose(1, 2)[self.valid].to(kp.dtype))
-        vp.index_copy_(0, self.write_slots, v.transpose(1, 2)[self.valid].to(vp.dtype))
+        kp, vp = write_new_kv(self.pool, layer, k, v, self.write_slots, self.valid)
         B, H, T, D = q.shape
         queries = q.transpose(1, 2).reshape(B * T, H, D).float().contiguous()
         out = paged_decode_attention(queries, kp, vp, self.tables, self.lens, self.pool.block_size)

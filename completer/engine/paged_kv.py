@@ -39,6 +39,17 @@ class KVPool:
         self.num_blocks = num_blocks
 
 
+def write_new_kv(pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                 valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the real new tokens ([B, Hkv, T, D]; `valid` [B, T] marks them)
+    into their `slots`; returns the layer's K and V pools.
+    (index_copy_: several times faster than [] assignment on CPU.)"""
+    kp, vp = pool.k[layer], pool.v[layer]
+    kp.index_copy_(0, slots, k.transpose(1, 2)[valid].to(kp.dtype))
+    vp.index_copy_(0, slots, v.transpose(1, 2)[valid].to(vp.dtype))
+    return kp, vp
+
+
 class PagedBatch:
     """One forward pass over B sequences, each bringing new tokens at given
     positions (padded to the longest). Implements `model.AttentionBackend`."""
@@ -74,12 +85,8 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        # [B, H, T, D] -> the real tokens' [N, H, D], into their slots.
-        # (index_copy_ / index_select: several times faster than [] indexing on CPU.)
-        kp.index_copy_(0, self.write_slots, k.transpose(1, 2)[self.valid].to(kp.dtype))
-        vp.index_copy_(0, self.write_slots, v.transpose(1, 2)[self.valid].to(vp.dtype))
-        B, S = self.read_slots.shape
+        kp, vp = write_new_kv(self.pool, layer, k, v, self.write_slots, self.valid)
+        B, S = self.read_slots.shape  # index_select: faster than [] indexing on CPU
         keys = kp.index_select(0, self.read_flat).view(B, S, *kp.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
         values = vp.index_select(0, self.read_flat).view(B, S, *vp.shape[1:]).transpose(1, 2)
         return attention_fp32(q, keys, values, self.mask, causal=self.causal)
