@@ -28,6 +28,7 @@ DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,36 @@ def check_kernels() -> dict:
         out[f"paged_attention_{str(dtype)[6:]}"] = {"max_abs_err": err, "bound": bound, "pass": err <= bound}
         ROWS.append(("correctness", f"paged decode attention q {str(dtype)[6:]}, contexts up to {int(lens.max())}",
                      "pass" if err <= bound else "FAIL", f"max err {err:.1e} (bound {bound:.1e})"))
+    out["paged_attention_verify"] = check_verify_pass(tables, lens, bs)
     return out
+
+
+def check_verify_pass(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> dict:
+    """A speculative verify pass (1 to 9 new tokens per row) through the engine's
+    KernelBatch against its gather + SDPA PagedBatch, on the same pool."""
+    from completer.engine.decode_graph import KernelBatch
+    from completer.engine.paged_kv import KVPool, PagedBatch
+
+    cfg = msgspec.structs.replace(CFG, num_hidden_layers=1)
+    B, T = len(lens), 9
+    num_new = [min(1 + i % T, int(n)) for i, n in enumerate(lens)]
+    positions = torch.stack([torch.arange(int(n) - k, int(n) - k + T).clamp(max=int(n) - 1)
+                             for n, k in zip(lens, num_new)])
+    rows = [r.tolist() for r in tables.cpu()]
+    q = randn(B, cfg.num_attention_heads, T, cfg.head_dim, dtype=torch.float32)
+    k, v = (randn(B, cfg.num_key_value_heads, T, cfg.head_dim, dtype=torch.float32) for _ in range(2))
+    outs = []
+    for backend in (PagedBatch, KernelBatch):
+        pool = KVPool(cfg, int(tables.max()) + 1, bs, device=DEV)
+        torch.manual_seed(0)
+        pool.k.normal_()
+        pool.v.normal_()
+        outs.append(backend(pool, rows, positions, num_new).attend(0, q, k, v, positions.to(DEV)))
+    valid = (torch.arange(T)[None, :] < torch.tensor(num_new)[:, None]).to(DEV)
+    err = float((outs[1] - outs[0]).transpose(1, 2)[valid].abs().max())
+    ROWS.append(("correctness", f"verify pass (1-{T} new tokens per row) kernel vs gather",
+                 "pass" if err <= 1e-4 else "FAIL", f"max err {err:.1e} (bound 1.0e-04)"))
+    return {"max_abs_err": err, "bound": 1e-4, "pass": err <= 1e-4}
 
 
 # -- 2. GEMM throughput ---------------------------------------------------------------

@@ -28,6 +28,7 @@ def test_gpu_check_dry_run(tmp_path):
         assert row["triton_rowwise_within_bound"] and row["triton_blockwise_within_bound"]
         assert 0 < row["rowwise_rel_err_vs_bf16_inputs"] < 0.06
     assert kernels["paged_attention_float32"]["pass"] and kernels["paged_attention_bfloat16"]["pass"]
+    assert kernels["paged_attention_verify"]["pass"]
 
     gemm = sections["gemm"]
     assert {"gate,up_M1", "down_M16"} <= set(gemm)
