@@ -181,11 +181,6 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
         tokenizer = TextTokenizer.from_file(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-    if tokenizer.sentencepiece_style:
-        raise CheckpointError(
-            f"{path}: a SentencePiece-style tokenizer (words as '\u2581' pieces, as in Llama 2, "
-            "CodeLlama, Mistral); completer supports byte-level BPE tokenizers (Qwen2.5-Coder, "
-            "StarCoder2, DeepSeek-Coder, Llama 3)")
     return tokenizer
 
 

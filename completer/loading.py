@@ -11,7 +11,7 @@ import torch
 from completer.checkpoint import CheckpointError, load_model, load_tokenizer, resolve_precision
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
-from completer.prompt import FimTemplate, PromptBuilder, get_template
+from completer.prompt import FimTemplate, PromptBuilder, get_template, marker_id
 from completer.tokenizer import TextTokenizer
 
 # The embedded default models ship inside the package.
@@ -46,7 +46,7 @@ def detect_template(tokenizer: TextTokenizer) -> str:
         return "default"
     if tokenizer.token_id("<fim_prefix>") is not None:
         return "starcoder"
-    if tokenizer.token_id("<PRE>") is not None:
+    if marker_id(tokenizer, "<PRE>") is not None:
         return "codellama"
     raise CheckpointError(f"{tokenizer.path}: no fill-in-the-middle tokens; name a template in the config")
 

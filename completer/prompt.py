@@ -45,7 +45,9 @@ class FimTemplate(msgspec.Struct, frozen=True):
     file_sep: str | None = None
     order: Literal["psm", "spm"] = "psm"
     # CodeLlama's spacing: "<PRE> {prefix} <SUF>{suffix} <MID>" (PSM) and
-    # "<PRE> <SUF>{suffix} <MID> {prefix}" (SPM).
+    # "<PRE> <SUF>{suffix} <MID> {prefix}" (SPM). Its own (SentencePiece)
+    # vocabulary spells the markers "\u2581<PRE>" etc., the space before each
+    # included; then only the space before the prefix is a token of its own.
     marker_space: bool = False
 
 
@@ -70,6 +72,13 @@ TEMPLATES: dict[str, FimTemplate] = {
         name="codellama", prefix="<PRE>", suffix="<SUF>", middle="<MID>",
         stop_tokens=("<EOT>", "</s>"), order="psm", marker_space=True),
 }
+
+
+def marker_id(tokenizer: TextTokenizer, marker: str) -> int | None:
+    """A special token's id, as spelled or with SentencePiece's word-start
+    mark ("\u2581<PRE>", as CodeLlama's vocabulary has it)."""
+    token_id = tokenizer.token_id(marker)
+    return token_id if token_id is not None else tokenizer.token_id("\u2581" + marker)
 
 
 def get_template(name: str, order: str | None = None) -> FimTemplate:
@@ -109,17 +118,20 @@ class PromptBuilder:
         self.suffix_budget = int(budget * suffix_share)
         self.context_budget = int(budget * context_share)
         self.step_lines = step_lines
-        self.stop_ids = [i for s in template.stop_tokens if (i := tokenizer.token_id(s)) is not None]
+        self.stop_ids = [i for s in template.stop_tokens if (i := marker_id(tokenizer, s)) is not None]
         self._special: dict[str, int] = {}
         self._space = tokenizer.encode(" ") if template.marker_space else []
+        self._bos = tokenizer.bos_ids()  # stable, first: cached like the rest
         for marker in (template.prefix, template.suffix, template.middle, template.file_sep):
             if marker is None:
                 continue
-            token_id = tokenizer.token_id(marker)
+            token_id = marker_id(tokenizer, marker)
             if token_id is None:
                 raise ValueError(f"template {template.name!r} needs token {marker!r}, "
                                  f"which the tokenizer does not have")
             self._special[marker] = token_id
+        # Markers spelled with their leading space ("\u2581<SUF>") need no space token before them.
+        self._marker_space = [] if tokenizer.token_id(template.suffix) is None else self._space
 
     def header(self, path: str | None) -> list[int]:
         """`<file_sep>path\\n`, the line that introduces a file (if the family has one)."""
@@ -141,11 +153,11 @@ class PromptBuilder:
 
     def assemble(self, context: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
         """The template's order, with `context` (snippets and file header) first."""
-        t, sp = self.template, self._space
+        t, sp, ms = self.template, self._space, self._marker_space
         pre, suf, mid = self._special[t.prefix], self._special[t.suffix], self._special[t.middle]
         if t.order == "spm":
-            return context + [pre] + sp + [suf] + suffix + sp + [mid] + sp + prefix
-        return context + [pre] + sp + prefix + sp + [suf] + suffix + sp + [mid]
+            return self._bos + context + [pre] + ms + [suf] + suffix + ms + [mid] + sp + prefix
+        return self._bos + context + [pre] + sp + prefix + ms + [suf] + suffix + ms + [mid]
 
     def fit_suffix(self, suffix: str) -> tuple[int, list[int]]:
         """Whole lines of the suffix's head while they fit (at least the rest of the current line)."""

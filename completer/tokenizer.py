@@ -22,6 +22,9 @@ class TextTokenizer:
     """Text <-> ids, and lookups of special tokens by their text."""
 
     def __init__(self, tokenizer: Tokenizer, path: Path | None = None):
+        self.sentencepiece_style = _is_sentencepiece_style(tokenizer)
+        if self.sentencepiece_style:
+            tokenizer = _without_dummy_prefix(tokenizer)
         self.tokenizer = tokenizer
         # Document text that spells a special token ("<|endoftext|>" in a source
         # file) must stay text; prompts insert special tokens by id.
@@ -32,15 +35,6 @@ class TextTokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "TextTokenizer":
         return cls(Tokenizer.from_file(str(path)), Path(path))
-
-    @property
-    def sentencepiece_style(self) -> bool:
-        """Words as '\u2581' pieces with a dummy prefix space (Llama 2, CodeLlama,
-        Mistral): each separately encoded chunk would gain a leading space and
-        pieces are not bytes, which incremental prompts and streaming rely on."""
-        spec = json.loads(self.tokenizer.to_str())
-        parts = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")}
-        return "\u2581" in json.dumps(parts, ensure_ascii=False)
 
     @property
     def vocab_size(self) -> int:
@@ -64,12 +58,60 @@ class TextTokenizer:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id in self.special_ids or not all(ch in _BYTE_DECODER for ch in piece):
+        if token_id in self.special_ids:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        if self.sentencepiece_style:  # "\u2581" is a space; "<0xNN>" a byte-fallback byte
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        if not all(ch in _BYTE_DECODER for ch in piece):
             return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
         return bytes(_BYTE_DECODER[ch] for ch in piece)
 
+    def bos_ids(self) -> list[int]:
+        """What the tokenizer's own post-processor puts before a text (Llama's
+        `<s>`, Llama 3's `<|begin_of_text|>`; nothing for Qwen or StarCoder)."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a", add_special_tokens=True).ids
+        lead = full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+        return [i for i in lead if i in self.special_ids]
+
     def token_id(self, text: str) -> int | None:
         return self.tokenizer.token_to_id(text)
+
+
+def _is_sentencepiece_style(tokenizer: Tokenizer) -> bool:
+    """Words as "\u2581" pieces (Llama 2, CodeLlama, Mistral), not byte-level."""
+    spec = json.loads(tokenizer.to_str())
+    parts = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")}
+    return "\u2581" in json.dumps(parts, ensure_ascii=False)
+
+
+def _without_dummy_prefix(tokenizer: Tokenizer) -> Tokenizer:
+    """The same tokenizer without SentencePiece's dummy prefix: prompts are
+    encoded in separate chunks, and each would otherwise gain a leading space
+    (and the decoder would strip a real one). A space the text has is still a
+    "\u2581" on the word after it, as in training."""
+    spec = json.loads(tokenizer.to_str())
+
+    def strip(component: dict | None, drop: set[str]) -> dict | None:
+        if component is None:
+            return None
+        if component.get("type") == "Sequence":
+            key = "normalizers" if "normalizers" in component else \
+                "decoders" if "decoders" in component else "pretokenizers"
+            kept = [c for c in (strip(c, drop) for c in component[key]) if c is not None]
+            return {**component, key: kept}
+        if component.get("type") in drop:
+            return None
+        if component.get("type") == "Metaspace":
+            return {**component, "prepend_scheme": "never", "add_prefix_space": False}
+        return component
+
+    spec["normalizer"] = strip(spec.get("normalizer"), {"Prepend"})
+    spec["pre_tokenizer"] = strip(spec.get("pre_tokenizer"), set())
+    spec["decoder"] = strip(spec.get("decoder"), {"Strip"})
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -102,24 +102,23 @@ def test_missing_config_and_tokenizer(saved, tmp_path):
         load_model(d)
 
 
-def test_sentencepiece_tokenizer_is_refused_by_name(saved, tmp_path):
-    """A Llama-2 / CodeLlama-style tokenizer ('\u2581' pieces, dummy prefix space)
-    stops the load with a message that says so, instead of prompts whose
-    chunks each gain a space."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+def test_sentencepiece_tokenizer_loads_with_codellama_markers(saved, tmp_path):
+    """A Llama-2 / CodeLlama-style tokenizer.json ("\u2581" pieces, dummy prefix,
+    byte fallback, <s> first, markers spelled "\u2581<PRE>") loads with the
+    codellama template, BOS in front and the markers' own spaces."""
+    from sp_tokenizer import llama2_style_tokenizer
 
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator(["def f(x):\n    return x\n"] * 20,
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "\u2581<PRE>"]))
     d = copy(saved, tmp_path)
-    tok.save(str(d / "tokenizer.json"))
-    with pytest.raises(CheckpointError, match=r"tokenizer\.json: a SentencePiece-style tokenizer .*CodeLlama.*"
-                                              r"byte-level BPE"):
-        load(d)
-    load(saved)  # the byte-level one loads
+    llama2_style_tokenizer(["def f(x):\n    return x\n"] * 20, 300).save(str(d / "tokenizer.json"))
+    lm = load(d)
+    tk = lm.tokenizer
+    assert lm.template.name == "codellama" and tk.sentencepiece_style
+    pre, suf, mid = (tk.token_id("\u2581" + m) for m in ("<PRE>", "<SUF>", "<MID>"))
+    b = lm.prompt_builder(256)
+    P, S = "def f(x):\n    return", " x\n"
+    assert b.build(P, S).tokens == [1, pre] + tk.encode(" ") + tk.encode(P) + [suf] + tk.encode(S) + [mid]
+    assert tk.decode(b.build(P, S).tokens).endswith(f" <PRE> {P} <SUF>{S} <MID>")
+    assert b.stop_ids == [tk.token_id("\u2581<EOT>"), tk.token_id("</s>")]
 
 
 def test_error_is_one_line(saved, tmp_path):
