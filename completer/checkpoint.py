@@ -178,10 +178,9 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
-        tokenizer = TextTokenizer.from_file(path)
+        return TextTokenizer.from_file(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-    return tokenizer
 
 
 def config_json(cfg: ModelConfig) -> dict:

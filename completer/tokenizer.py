@@ -22,9 +22,10 @@ class TextTokenizer:
     """Text <-> ids, and lookups of special tokens by their text."""
 
     def __init__(self, tokenizer: Tokenizer, path: Path | None = None):
-        self.sentencepiece_style = _is_sentencepiece_style(tokenizer)
+        spec = json.loads(tokenizer.to_str())
+        self.sentencepiece_style = _is_sentencepiece_style(spec)
         if self.sentencepiece_style:
-            tokenizer = _without_dummy_prefix(tokenizer)
+            tokenizer = _without_dummy_prefix(spec)
         self.tokenizer = tokenizer
         # Document text that spells a special token ("<|endoftext|>" in a source
         # file) must stay text; prompts insert special tokens by id.
@@ -80,19 +81,19 @@ class TextTokenizer:
         return self.tokenizer.token_to_id(text)
 
 
-def _is_sentencepiece_style(tokenizer: Tokenizer) -> bool:
-    """Words as "\u2581" pieces (Llama 2, CodeLlama, Mistral), not byte-level."""
-    spec = json.loads(tokenizer.to_str())
+def _is_sentencepiece_style(spec: dict) -> bool:
+    """Words as "\u2581" pieces (Llama 2, CodeLlama, Mistral), not byte-level.
+    `spec`: the tokenizer.json contents."""
     parts = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")}
     return "\u2581" in json.dumps(parts, ensure_ascii=False)
 
 
-def _without_dummy_prefix(tokenizer: Tokenizer) -> Tokenizer:
-    """The same tokenizer without SentencePiece's dummy prefix: prompts are
-    encoded in separate chunks, and each would otherwise gain a leading space
-    (and the decoder would strip a real one). A space the text has is still a
-    "\u2581" on the word after it, as in training."""
-    spec = json.loads(tokenizer.to_str())
+def _without_dummy_prefix(spec: dict) -> Tokenizer:
+    """The tokenizer of `spec` without SentencePiece's dummy prefix: prompts
+    are encoded in separate chunks, and each would otherwise gain a leading
+    space (and the decoder would strip a real one). A space the text has is
+    still a "\u2581" on the word after it, as in training."""
+    spec = dict(spec)
 
     def strip(component: dict | None, drop: set[str]) -> dict | None:
         if component is None:
