@@ -1,4 +1,4 @@
-"""Load and save HF-format checkpoint directories.
+"""Load and save HF-format checkpoint directories; load GGUF files.
 
 A directory holds `config.json`, `model.safetensors` (or shards listed in
 `model.safetensors.index.json`) and `tokenizer.json`. Every problem is raised
@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from completer.fp8 import load_fp8_weights, quantize_linears
+from completer.gguf_checkpoint import GgufFile
 from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
@@ -108,24 +109,75 @@ def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
 
 
-def load_model(directory: str | Path, precision: str = "fp32",
+def is_gguf(path: Path) -> bool:
+    """A `.gguf` name, or a file that starts with GGUF's magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_checkpoint(path: str | Path, precision: str = "fp32",
+                    device: str | torch.device = "cpu") -> tuple[Transformer, TextTokenizer]:
+    """The model and tokenizer of an HF directory or a GGUF file."""
+    path = Path(path)
+    if is_gguf(path):
+        gguf = GgufFile(path)
+        return _load_gguf(gguf, precision, device), gguf.tokenizer()
+    return load_model(path, precision, device), load_tokenizer(path)
+
+
+def load_model(path: str | Path, precision: str = "fp32",
                device: str | torch.device = "cpu") -> Transformer:
-    """precision: auto, fp32, bf16, fp16, or fp8 (projections as
-    completer.fp8.Fp8Linear, the rest bf16)."""
-    directory = Path(directory)
-    precision = resolve_precision(precision, device)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: model directory not found")
-    cfg = parse_config(directory / "config.json")
-    files = weight_files(directory)
+    """An HF checkpoint directory or a GGUF file. precision: auto, fp32, bf16,
+    fp16, or fp8 (projections as completer.fp8.Fp8Linear, the rest bf16)."""
+    path = Path(path)
+    if is_gguf(path):
+        return _load_gguf(GgufFile(path), precision, device)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: model directory not found")
+    cfg = parse_config(path / "config.json")
+    state, scales = _read_safetensors(path, cfg)
+    return _build(cfg, state, scales, precision, device, path)
+
+
+def _load_gguf(gguf: GgufFile, precision: str, device) -> Transformer:
+    cfg = gguf.config()
+    state = gguf.state_dict(cfg)
+    _check_shapes(_expected_shapes(cfg), state, gguf.path)
+    model = _build(cfg, state, {}, precision, device, gguf.path)
+    factors = gguf.rope_freq_factors()
+    if factors is not None:
+        model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
+    return model
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
+    return expected
+
+
+def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor], source: Path) -> None:
+    for name, tensor in state.items():
+        if name not in expected:
+            raise CheckpointError(f"{source}: unexpected tensor {name!r}")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the config implies {tuple(expected[name])}")
+
+
+def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
+    """The weights (and FP8 scales) of a checkpoint directory, checked against `cfg`."""
+    expected = _expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in weight_files(directory):
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
@@ -140,23 +192,28 @@ def load_model(directory: str | Path, precision: str = "fp32",
                             continue
                         raise CheckpointError(f"{f}: unexpected tensor {name!r}")
                     tensor = handle.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(expected[name]):
-                        raise CheckpointError(
-                            f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"config.json implies {tuple(expected[name])}")
+                    _check_shapes(expected, {name: tensor}, f)
                     state[name] = tensor
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    missing = sorted(set(expected) - set(state))
+    return state, scales
+
+
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+           precision: str, device, source: Path) -> Transformer:
+    precision = resolve_precision(precision, device)
+    missing = sorted(set(_expected_shapes(cfg)) - set(state))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise CheckpointError(f"{directory}: tensor {missing[0]!r}{more} missing from the weights")
+        raise CheckpointError(f"{source}: tensor {missing[0]!r}{more} missing from the weights")
     dtype = torch.bfloat16 if precision == "fp8" else DTYPES.get(precision)
     if dtype is None:
         raise CheckpointError(f"unknown precision {precision!r} (known: auto, {', '.join(DTYPES)}, fp8)")
     fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
+    with torch.device("meta"):
+        model = Transformer(cfg)
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
@@ -167,13 +224,16 @@ def load_model(directory: str | Path, precision: str = "fp32",
         try:
             load_fp8_weights(model, fp8_weights, scales, keep_fp8=precision == "fp8")
         except ValueError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
+            raise CheckpointError(f"{source}: {e}") from None
         if precision == "fp8":
             quantize_linears(model)
     return model
 
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer:
+    """`tokenizer.json` of a checkpoint directory, or the vocabulary of a GGUF file."""
+    if is_gguf(Path(directory)):
+        return GgufFile(directory).tokenizer()
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")

@@ -42,7 +42,8 @@ def cmd_complete(args: argparse.Namespace) -> int:
     from completer.engine.core import EngineError, request_for
     from completer.engine.engine import Engine, run_in_passing_thread
     from completer.engine.sequence import SamplingParams
-    from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load
+    from completer.loading import load
+    from completer.model_store import ModelFetchError, resolve_draft, resolve_target
 
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
@@ -55,12 +56,12 @@ def cmd_complete(args: argparse.Namespace) -> int:
         prefix = stdin if args.prefix == "-" else args.prefix
         suffix = stdin if args.suffix == "-" else (args.suffix or "")
         name = None
-    # The embedded drafter speaks the embedded target's tokenizer only.
-    draft_dir = args.draft if args.draft is not None else ("" if args.model else str(DEFAULT_DRAFT))
     try:  # torch work stays off this thread (see run_in_passing_thread)
-        target = run_in_passing_thread(load, args.model or DEFAULT_TARGET, args.precision, args.template)
-        draft = run_in_passing_thread(load, draft_dir, args.precision, args.template) if draft_dir else None
-    except CheckpointError as e:
+        target_path = resolve_target(args.model)
+        draft_path = resolve_draft(args.draft, target_path)
+        target = run_in_passing_thread(load, target_path, args.precision, args.template)
+        draft = run_in_passing_thread(load, draft_path, args.precision, args.template) if draft_path else None
+    except (CheckpointError, ModelFetchError) as e:
         raise SystemExit(f"error: {e}") from None
     builder = target.prompt_builder(args.context_tokens - args.max_tokens)
     engine = Engine.build(target, draft)
@@ -96,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from completer.checkpoint import CheckpointError
     from completer.config import ConfigError, DEFAULT_CONFIG, load_config
+    from completer.model_store import ModelFetchError
     from completer.server import security
     from completer.server.app import run
 
@@ -106,6 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides.append(f"server.port={args.port}")
     if args.precision:
         overrides.append(f'model.precision="{args.precision}"')
+    if args.model:
+        overrides.append(f"model.target={json.dumps(args.model)}")
     try:
         # configs/default.toml spells out the built-in defaults; a non-editable
         # install may not have it, and then the defaults are the same.
@@ -123,10 +127,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         source = str(path)
     try:
         return run(config, token, source)
-    except CheckpointError as e:
+    except (CheckpointError, ModelFetchError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: cannot serve on {config.server.host}:{config.server.port}: {e}") from None
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from completer.model_store import DEFAULT_TARGET, ModelFetchError, cached_path, pull
+
+    if args.action == "path":
+        print(cached_path())
+        return 0
+    try:
+        print(pull(DEFAULT_TARGET))
+    except ModelFetchError as e:
+        raise SystemExit(f"error: {e}") from None
+    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -143,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cursor", nargs="?", help="FILE:LINE:COL (1-based)")
     p.add_argument("--prefix", help="text before the cursor (- reads stdin)")
     p.add_argument("--suffix", help="text after the cursor (- reads stdin)")
-    p.add_argument("--model", type=Path, help="HF checkpoint directory (default: the embedded target)")
-    p.add_argument("--draft", help="drafter checkpoint directory, or '' for none "
-                                   "(default: the embedded drafter with the embedded target, else none)")
+    p.add_argument("--model", default="default",
+                   help="a GGUF file, an HF checkpoint directory, 'default' (SmolLM2-135M, fetched "
+                        "once into the cache) or 'embedded' (the small model shipped in the package)")
+    p.add_argument("--draft", default="default",
+                   help="drafter: a file or directory, 'embedded', or '' for none "
+                        "(default: the embedded drafter with the embedded target, else none)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp8"])
     p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
     p.add_argument("--mode", default="line", choices=["line", "block", "free"])
@@ -158,11 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8750; 0 picks a free one)")
     p.add_argument("--token", help="bearer token (default: $COMPLETER_TOKEN, or the token file)")
+    p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default' or "
+                                   "'embedded' (sets model.target)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"],
                    help="weights precision (auto: bf16 where native; fp8 is emulated on CPU)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("models", help="fetch the default model into the cache (pull), or print where it goes (path)")
+    p.add_argument("action", choices=["pull", "path"])
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("evaluate", help="evaluate the target and drafter on code outside the stdlib")
     from completer.evaluate import add_arguments

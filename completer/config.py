@@ -17,8 +17,8 @@ from completer.engine.config import EngineConfig, SpecConfig
 
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    target: str = "default"  # "default" (embedded) or an HF checkpoint directory
-    draft: str = "default"  # "default", a directory, or "" for none
+    target: str = "default"  # "default" (SmolLM2-135M, fetched once), "embedded", a GGUF file or an HF directory
+    draft: str = "default"  # "default" (the drafter made for the target, if any), "embedded", a path, "" for none
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 where native, else fp32
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     template: str = ""  # FIM template; "" detects it from the tokenizer

@@ -8,16 +8,13 @@ import msgspec
 
 import torch
 
-from completer.checkpoint import CheckpointError, load_model, load_tokenizer, resolve_precision
+from completer.checkpoint import CheckpointError, load_checkpoint, resolve_precision
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
+from completer.model_store import PACKAGED_MODELS
 from completer.prompt import FimTemplate, PromptBuilder, get_template, marker_id
 from completer.tokenizer import TextTokenizer
 
-# The embedded default models ship inside the package.
-PACKAGED_MODELS = Path(__file__).parent / "models"
-DEFAULT_TARGET = PACKAGED_MODELS / "target"
-DEFAULT_DRAFT = PACKAGED_MODELS / "draft"
 
 
 class LoadedModel(msgspec.Struct):
@@ -39,7 +36,8 @@ class LoadedModel(msgspec.Struct):
 
 
 def detect_template(tokenizer: TextTokenizer) -> str:
-    """The FIM family whose special tokens the tokenizer has."""
+    """The FIM family whose special tokens the tokenizer has; `prefix` (the
+    prefix alone, no markers) when it has none."""
     if tokenizer.token_id("<|repo_name|>") is not None:
         return "qwen2.5-coder"
     if tokenizer.token_id("<|fim_prefix|>") is not None:
@@ -48,18 +46,17 @@ def detect_template(tokenizer: TextTokenizer) -> str:
         return "starcoder"
     if marker_id(tokenizer, "<PRE>") is not None:
         return "codellama"
-    raise CheckpointError(f"{tokenizer.path}: no fill-in-the-middle tokens; name a template in the config")
+    return "prefix"
 
 
 def load(directory: str | Path, precision: str = "fp32", template: str | None = None,
          order: str | None = None, device: str = "cpu") -> LoadedModel:
     directory = Path(directory)
     precision = resolve_precision(precision, device)
-    model = load_model(directory, precision, device)
-    tokenizer = load_tokenizer(directory)
+    model, tokenizer = load_checkpoint(directory, precision, device)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise CheckpointError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, "
-                              f"but config.json declares vocab_size {model.config.vocab_size}")
+        raise CheckpointError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, "
+                              f"but the model's vocabulary has {model.config.vocab_size}")
     fim = get_template(template or detect_template(tokenizer), order)
-    name = directory.name if directory.parent != PACKAGED_MODELS else f"completer-default-{directory.name}"
+    name = directory.name if directory.parent != PACKAGED_MODELS else f"completer-embedded-{directory.name}"
     return LoadedModel(name, directory, model, tokenizer, fim, precision, str(device))

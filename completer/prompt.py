@@ -35,6 +35,9 @@ class FimTemplate(msgspec.Struct, frozen=True):
     `spm`: [pre][suf] suffix [mid] prefix  -- stable content first: a keystroke
            re-prefills only the changed tail of the prefix (the variant of SPM
            in which prefix and middle are contiguous, as StarCoder uses).
+    `prefix`: context, then the prefix; no markers (a model trained without
+           FIM). The suffix stays out of the prompt; it still trims the
+           completion and ends line and block modes.
     """
 
     name: str
@@ -43,7 +46,7 @@ class FimTemplate(msgspec.Struct, frozen=True):
     middle: str
     stop_tokens: tuple[str, ...]
     file_sep: str | None = None
-    order: Literal["psm", "spm"] = "psm"
+    order: Literal["psm", "spm", "prefix"] = "psm"
     # CodeLlama's spacing: "<PRE> {prefix} <SUF>{suffix} <MID>" (PSM) and
     # "<PRE> <SUF>{suffix} <MID> {prefix}" (SPM). Its own (SentencePiece)
     # vocabulary spells the markers "\u2581<PRE>" etc., the space before each
@@ -71,6 +74,14 @@ TEMPLATES: dict[str, FimTemplate] = {
     "codellama": FimTemplate(
         name="codellama", prefix="<PRE>", suffix="<SUF>", middle="<MID>",
         stop_tokens=("<EOT>", "</s>"), order="psm", marker_space=True),
+    # Models without FIM tokens (SmolLM2, most base models): the prefix alone.
+    # Stops: the end-of-text tokens of common vocabularies, where present.
+    "prefix": FimTemplate(
+        name="prefix", prefix="", suffix="", middle="", order="prefix",
+        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+    "prefix-filesep": FimTemplate(
+        name="prefix-filesep", prefix="", suffix="", middle="", order="prefix", file_sep="<file_sep>",
+        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
 }
 
 
@@ -86,7 +97,7 @@ def get_template(name: str, order: str | None = None) -> FimTemplate:
     if name not in TEMPLATES:
         raise ValueError(f"unknown FIM template {name!r}; known: {', '.join(TEMPLATES)}")
     template = TEMPLATES[name]
-    if order is not None:
+    if order is not None and template.order != "prefix":
         if order not in ("psm", "spm"):
             raise ValueError(f"FIM order must be 'psm' or 'spm', not {order!r}")
         template = msgspec.structs.replace(template, order=order)
@@ -115,7 +126,7 @@ class PromptBuilder:
         self.tok = tokenizer
         self.template = template
         self.budget = budget
-        self.suffix_budget = int(budget * suffix_share)
+        self.suffix_budget = 0 if template.order == "prefix" else int(budget * suffix_share)
         self.context_budget = int(budget * context_share)
         self.step_lines = step_lines
         self.stop_ids = [i for s in template.stop_tokens if (i := marker_id(tokenizer, s)) is not None]
@@ -123,7 +134,7 @@ class PromptBuilder:
         self._space = tokenizer.encode(" ") if template.marker_space else []
         self._bos = tokenizer.bos_ids()  # stable, first: cached like the rest
         for marker in (template.prefix, template.suffix, template.middle, template.file_sep):
-            if marker is None:
+            if not marker:
                 continue
             token_id = marker_id(tokenizer, marker)
             if token_id is None:
@@ -154,6 +165,8 @@ class PromptBuilder:
     def assemble(self, context: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
         """The template's order, with `context` (snippets and file header) first."""
         t, sp, ms = self.template, self._space, self._marker_space
+        if t.order == "prefix":
+            return self._bos + context + prefix
         pre, suf, mid = self._special[t.prefix], self._special[t.suffix], self._special[t.middle]
         if t.order == "spm":
             return self._bos + context + [pre] + ms + [suf] + suffix + ms + [mid] + sp + prefix

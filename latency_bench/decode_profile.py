@@ -21,7 +21,8 @@ from completer.engine.config import EngineConfig
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.model_runner import CachedModel
 from completer.engine.sequence import CacheState
-from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+from completer.loading import LoadedModel, load
+from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
 
 def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int) -> str:
@@ -69,8 +70,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=12, help="operators listed per model")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    target = run_in_passing_thread(load, DEFAULT_TARGET, args.precision)
-    draft = run_in_passing_thread(load, DEFAULT_DRAFT, args.precision)
+    target = run_in_passing_thread(load, EMBEDDED_TARGET, args.precision)
+    draft = run_in_passing_thread(load, EMBEDDED_DRAFT, args.precision)
     out = io.StringIO()
     out.write(f"precision {target.precision}, {args.threads} threads\n\n")
     for loaded in (target, draft):  # on a thread that ends, as the engine's torch work wants

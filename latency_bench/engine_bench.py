@@ -28,7 +28,9 @@ from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.sequence import SamplingParams
 from completer.evaluate import heldout_files, line_starts
 from completer.checkpoint import resolve_precision
-from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+from completer.checkpoint import is_gguf
+from completer.loading import LoadedModel, load
+from completer.model_store import resolve_draft, resolve_target
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -56,11 +58,15 @@ def median(xs: list[float]) -> float:
 
 # -- HF transformers ------------------------------------------------------------
 
-def hf_runner(target_dir: Path, draft_dir: Path, dtype: torch.dtype, threads: int):
+def hf_runner(target_path: Path, draft_path: Path | None, dtype: torch.dtype, threads: int):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    def hf_model(path: Path):  # transformers dequantizes a GGUF itself
+        kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
+        return AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=dtype, **kwargs).eval()
+
+    model = hf_model(target_path)
+    assistant = hf_model(draft_path) if draft_path else None
 
     class EndOfLine(StoppingCriteria):
         def __init__(self, tokenizer, start: int):
@@ -117,7 +123,7 @@ async def engine_requests(engine: Engine, prompts: list[tuple[list[int], Case]],
 THREADS = EngineConfig()  # the bench's --threads / --decode-threads (set in main)
 
 
-def engine_for(target: LoadedModel, draft: LoadedModel, draft_on: bool, ngram: bool,
+def engine_for(target: LoadedModel, draft: LoadedModel | None, draft_on: bool, ngram: bool,
                prefix_cache: bool = True) -> Engine:
     spec = SpecConfig(draft_model=draft_on, ngram=ngram, max_batch=64)
     config = EngineConfig(prefix_cache=prefix_cache, kv_cache_mb=512, max_running=64,
@@ -150,8 +156,12 @@ async def main_async(args) -> dict:
     THREADS = EngineConfig(threads=args.threads, decode_threads=args.decode_threads)
     # Torch work off the engine's thread runs on threads that end (run_in_passing_thread):
     # a live second OpenMP team would slow the engine's.
+    args.target = resolve_target(args.target)
+    args.draft = resolve_draft(args.draft, args.target)
     target = run_in_passing_thread(load, args.target, args.precision)
-    draft = run_in_passing_thread(load, args.draft, args.precision)
+    draft = run_in_passing_thread(load, args.draft, args.precision) if args.draft else None
+    variants = [v for v in SPEC_VARIANTS if draft is not None or v[0] != "engine_draft"]
+    hf_variants = ("plain", "assisted", "prompt_lookup") if draft is not None else ("plain", "prompt_lookup")
     torch.set_num_threads(args.threads)
     builder = target.prompt_builder(args.context - 64)
     eos = builder.stop_ids
@@ -182,9 +192,9 @@ async def main_async(args) -> dict:
     # 1. Cold line / block completions at batch 1 (every prompt new to every
     #    cache): HF generate variants vs our engine, the same work on both.
     for mode, max_new in (("line", 48), ("block", 96)):
-        for variant in ("plain", "assisted", "prompt_lookup"):
+        for variant in hf_variants:
             hf_rows(f"hf_{variant}_{mode}", [p for p, _ in prompts], mode == "line", max_new, variant)
-        for name, draft_on, ngram in SPEC_VARIANTS:
+        for name, draft_on, ngram in variants:
             engine = engine_for(target, draft, draft_on, ngram, prefix_cache=False)
             engine.start()
             params = SamplingParams(max_tokens=max_new, mode=mode)
@@ -205,7 +215,7 @@ async def main_async(args) -> dict:
         typed.append((before, doc.update(c.prefix, c.suffix, c.path).tokens, c))
     for variant in ("plain", "prompt_lookup"):
         hf_rows(f"hf_{variant}_keystroke", [p for _, p, _ in typed], True, 48, variant)
-    for name, draft_on, ngram in SPEC_VARIANTS:
+    for name, draft_on, ngram in variants:
         engine = engine_for(target, draft, draft_on, ngram, prefix_cache=True)
         engine.start()
         runs = []
@@ -311,8 +321,8 @@ async def main_async(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET)
-    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    p.add_argument("--target", default="default", help="as `completer serve --model` (default: SmolLM2-135M)")
+    p.add_argument("--draft", default="default", help="as model.draft: the target's own drafter, if any")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)

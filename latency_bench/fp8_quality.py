@@ -20,7 +20,8 @@ from torch import nn
 from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, heldout_files,
                                 line_starts)
 from completer.fp8 import LINEAR_NAMES, quantize_linears, quantize_rows
-from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+from completer.loading import LoadedModel, load
+from completer.model_store import resolve_draft, resolve_target
 
 
 @torch.inference_mode()
@@ -93,8 +94,8 @@ WHAT_IF = {  # name -> (input rounding, weight rounding)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET)
-    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    p.add_argument("--target", default="default", help="as `completer serve --model` (default: SmolLM2-135M)")
+    p.add_argument("--draft", default="default", help="as model.draft: the target's own drafter, if any")
     p.add_argument("--lines", type=int, default=200)
     p.add_argument("--chunks", type=int, default=32)
     p.add_argument("--accept-prompts", type=int, default=50)
@@ -110,19 +111,24 @@ def main() -> int:
 
     _, files = heldout_files()
     picks = line_starts(files, args.lines, args.seed)
-    report: dict = {}
+    args.target = resolve_target(args.target)
+    args.draft = resolve_draft(args.draft, args.target)
+    report: dict = {"target": str(args.target), "draft": str(args.draft) if args.draft else None}
     models = {}
     for precision in ("bf16", "fp8"):
-        target, draft = load(args.target, precision), load(args.draft, precision)
+        target = load(args.target, precision)
+        draft = load(args.draft, precision) if args.draft else None
         models[precision] = (target, draft)
         report[precision] = {
             "target_bits_per_byte": bits_per_byte(target, files, args.chunks, args.context_tokens, args.seed),
-            "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
             "exact_match": exact_match(target, picks, args.context_tokens),
-            "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
-                                                 args.context_tokens, 4)[2],
         }
-    for i, name in enumerate(("target", "draft")):
+        if draft is not None:
+            report[precision] |= {
+                "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
+                "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
+                                                     args.context_tokens, 4)[2]}
+    for i, name in enumerate(("target", "draft")[: 2 if args.draft else 1]):
         report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
                                                           args.chunks, args.context_tokens, args.seed)
     # The metric's floor on these models: one bf16 rounding alone (fp32 vs bf16).
@@ -141,11 +147,13 @@ def main() -> int:
     b, f = report["bf16"], report["fp8"]
     print(f"{'':24}{'bf16':>10}{'fp8':>10}")
     for key in ("target_bits_per_byte", "draft_bits_per_byte"):
-        print(f"{key:24}{b[key]:>10.3f}{f[key]:>10.3f}")
+        if key in b:
+            print(f"{key:24}{b[key]:>10.3f}{f[key]:>10.3f}")
     for key in ("exact_match", "draft_acceptance"):
-        print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
-    print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}, "
-          f"draft {report['draft_top1_agreement']:.2%} "
+        if key in b:
+            print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
+    drafter = f", draft {report['draft_top1_agreement']:.2%}" if args.draft else ""
+    print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}{drafter} "
           f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
     for name, agreement in report.get("target_top1_agreement_one_projection", {}).items():
         print(f"top-1 agreement with only {name} in FP8: {agreement:.2%}")

@@ -350,13 +350,14 @@ async def engine_run(target, draft, spec_on: bool, prompts: list[list[int]], max
 
 
 def engine_tok_s() -> dict:
-    from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load
+    from completer.loading import load
+    from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
     out = {}
     sources = sorted((ROOT / "completer").rglob("*.py"))[: 1 if DRY else 8]
     for precision in ("bf16", "fp8"):
-        target = load(DEFAULT_TARGET, precision, device=str(DEV))
-        draft = load(DEFAULT_DRAFT, precision, device=str(DEV))
+        target = load(EMBEDDED_TARGET, precision, device=str(DEV))
+        draft = load(EMBEDDED_DRAFT, precision, device=str(DEV))
         builder = target.prompt_builder(128 if DRY else 768)
         prompts = []
         for path in sources:

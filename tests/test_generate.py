@@ -46,14 +46,24 @@ def run_cli(*args, stdin=None):
 
 
 def test_complete_command_on_shipped_models():
-    done = run_cli("complete", "examples/shapes.py:27:9")
+    done = run_cli("complete", "--model", "embedded", "examples/shapes.py:27:9")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip(), "empty completion"
     assert "prompt" in done.stderr and "ttft" in done.stderr and "generated" in done.stderr
 
 
+def test_complete_command_default_model_suggests_the_perimeter(default_model):
+    """The README's example on the real default target (SmolLM2-135M)."""
+    done = run_cli("complete", "examples/shapes.py:27:9")
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip().splitlines()[0]
+    assert line.startswith("return") and "self.width" in line and "self.height" in line, line
+    assert "SmolLM2" in done.stderr
+
+
 def test_complete_command_from_stdin():
-    done = run_cli("complete", "--prefix", "-", "--suffix", "\n", stdin="import os\n\ndef main():\n    ")
+    done = run_cli("complete", "--model", "embedded", "--prefix", "-", "--suffix", "\n",
+                   stdin="import os\n\ndef main():\n    ")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
 

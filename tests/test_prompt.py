@@ -64,7 +64,10 @@ def lcp(a, b):
     return n
 
 
-@pytest.mark.parametrize("name", TEMPLATES)
+FIM_TEMPLATES = [name for name, t in TEMPLATES.items() if t.order != "prefix"]
+
+
+@pytest.mark.parametrize("name", FIM_TEMPLATES)
 def test_layout_per_template(toks, name):
     tk, t = toks[name], TEMPLATES[name]
     pre, suf, mid = (tk.token_id(m) for m in (t.prefix, t.suffix, t.middle))
@@ -240,3 +243,62 @@ def test_special_token_text_in_a_document_stays_text(toks):
     eot = toks["default"].token_id("<|endoftext|>")
     assert eot not in prompt.tokens
     assert "<|endoftext|>" in toks["default"].decode(prompt.tokens)
+
+
+# -- the prefix template (models without FIM tokens) ---------------------------
+
+@pytest.fixture(scope="session")
+def plain_tok(files):
+    """A byte-level BPE with no FIM markers at all (as SmolLM2's)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([f.text for f in files[0] + files[1][:5]], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return TextTokenizer(tok)
+
+
+def test_prefix_template_is_detected_and_lays_out_the_prefix_alone(plain_tok, doc):
+    from completer.loading import detect_template
+
+    assert detect_template(plain_tok) == "prefix"
+    b = PromptBuilder(plain_tok, get_template("prefix"), 256)
+    prompt = b.build(P, S)
+    assert prompt.tokens == plain_tok.encode(P) and prompt.prefix_tokens == len(prompt.tokens)
+    assert prompt.window == Window(0, 0)  # the suffix is not in the prompt
+    assert b.stop_ids == [plain_tok.token_id("<|endoftext|>")]
+    # The whole budget goes to the prefix; snippets still come first, as comments.
+    prefix, suffix = doc
+    long = b.build(prefix, suffix, snippets=[Snippet("a.py", "A = 1\n")])
+    assert 0.5 * b.budget < len(long.tokens) <= b.budget  # the window start sits on a line grid
+    assert plain_tok.decode(long.tokens).startswith("# a.py\nA = 1\n\n")
+    assert plain_tok.decode(long.tokens).endswith(prefix[long.window.prefix_start:])
+    assert get_template("prefix", order="spm").order == "prefix"  # no order to choose
+
+
+def test_prefix_template_keystrokes_keep_the_window_and_heal_the_cursor(plain_tok, doc, files):
+    from completer.document import DocumentPrompt
+    from completer.engine.core import request_for
+    from completer.engine.sequence import SamplingParams
+    from completer.healing import TokenHealer
+
+    prefix, suffix = doc
+    typed = files[1][7].text[5000:5200]
+    b = PromptBuilder(plain_tok, get_template("prefix"), 256, step_lines=32)
+    document = DocumentPrompt(b)
+    prompts = [document.update(prefix + typed[:k], suffix) for k in range(len(typed) + 1)]
+    starts = [p.window.prefix_start for p in prompts]
+    assert starts == sorted(starts) and sum(a != c for a, c in zip(starts, starts[1:])) <= 3
+    steady = [(a, c) for a, c in zip(prompts, prompts[1:]) if a.window == c.window]
+    assert len(steady) >= len(typed) - 3
+    assert all(lcp(a.tokens, c.tokens) >= len(a.tokens) - 6 for a, c in steady)  # only the tail changes
+    for k in (0, 57, len(typed)):
+        assert plain_tok.decode(prompts[k].tokens) == (prefix + typed[:k])[prompts[k].window.prefix_start:]
+    # The prompt ends with the prefix: its last token is backed off and re-spelled.
+    last = prompts[-1]
+    request = request_for("r", last, prefix + typed, suffix, SamplingParams(), TokenHealer(plain_tok), "prefix")
+    assert request.prompt == last.tokens[:-1] and request.heal == plain_tok.token_bytes(last.tokens[-1])
+    assert request.suffix == suffix[: len(request.suffix)] and request.suffix

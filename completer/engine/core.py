@@ -36,9 +36,10 @@ SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
 def request_for(request_id: str, prompt: Prompt, prefix: str, suffix: str, params: SamplingParams,
                 healer: TokenHealer, order: str) -> Request:
     """The engine request for a built prompt. When the prompt ends with the
-    prefix (SPM), token healing backs off its last token, to be re-spelled."""
+    prefix (SPM, or the prefix template), token healing backs off its last
+    token, to be re-spelled."""
     tokens, heal = prompt.tokens, b""
-    if order == "spm":
+    if order != "psm":
         tokens, heal = healer.back_off(prompt.tokens, prompt.prefix_tokens)
     return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
                    suffix=suffix[:SUFFIX_FOR_TRIMMING], heal=heal)

@@ -16,7 +16,6 @@ import signal
 import ssl
 import sys
 from importlib import resources
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import ServerConnection, serve
@@ -24,17 +23,14 @@ from websockets.http11 import Request, Response
 
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load
+from completer.loading import LoadedModel, load
+from completer.model_store import resolve_draft, resolve_target
 from completer.prompt import PromptBuilder
 from completer.server import security
 from completer.server.metrics import Metrics
 from completer.server.session import Session
 
 SHUTDOWN_GRACE_S = 5.0
-
-
-def model_dir(setting: str, default: Path) -> Path:
-    return default if setting == "default" else Path(setting).expanduser()
 
 
 class App:
@@ -58,9 +54,10 @@ class App:
         m = self.config.model
         kwargs = dict(precision=m.precision, template=m.template or None, order=m.order or None,
                       device=m.device)
-        self.target = load(model_dir(m.target, DEFAULT_TARGET), **kwargs)
-        if m.draft:
-            self.draft = load(model_dir(m.draft, DEFAULT_DRAFT), **kwargs)
+        target = resolve_target(m.target)
+        self.target = load(target, **kwargs)
+        if draft := resolve_draft(m.draft, target):
+            self.draft = load(draft, **kwargs)
 
     def prompt_builder(self) -> PromptBuilder:
         m = self.config.model

@@ -44,7 +44,7 @@ export class Server {
 
   /** Start `completer serve` and resolve once it prints `ready`. */
   static start(token: string, port = 0, timeoutMs = 120_000): Promise<Server> {
-    const proc = spawn(pythonExecutable(), ['-u', '-m', 'completer.cli', 'serve', '--port', String(port), '--token', token,
+    const proc = spawn(pythonExecutable(), ['-u', '-m', 'completer.cli', 'serve', '--model', 'embedded', '--port', String(port), '--token', token,
       '--set', 'engine.threads=1'], {
       cwd: REPO_ROOT,
       env: { ...process.env, OMP_NUM_THREADS: '1', PYTHONUNBUFFERED: '1' },

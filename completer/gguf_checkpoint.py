@@ -1,0 +1,211 @@
+"""Load a GGUF file (llama.cpp's format) as a checkpoint.
+
+The config comes from the file's metadata, the tensors from ggml-org's `gguf`
+reader (dequantized to fp32, then cast to the serving precision), the tokenizer
+from the vocabulary, merges and token types stored in the file. Two things
+differ from an HF checkpoint: llama.cpp's converter permutes the rows of Q and
+K of `llama` models (its RoPE rotates adjacent pairs, HF's rotates halves), and
+llama3-style RoPE scaling is stored as a `rope_freqs` tensor. Every problem is
+a `CheckpointError` whose one-line message names the file and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from completer.model import ModelConfig, RopeScaling
+from completer.tokenizer import TextTokenizer, _BYTE_ENCODER
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# llama.cpp's tensor names, per layer and global, to HF's.
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# How each `tokenizer.ggml.pre` splits text before BPE (byte-level vocabularies).
+# StarCoder-family vocabularies (SmolLM's among them) were trained on single digits.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX_SPLITS = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+                "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+SINGLE_DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _error(path: Path, cause: str):
+    from completer.checkpoint import CheckpointError  # checkpoint imports this module
+
+    return CheckpointError(f"{path}: {cause}")
+
+
+class GgufFile:
+    """An opened GGUF: metadata by key, tensors by name (memory-mapped)."""
+
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise _error(self.path, "file not found")
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as e:  # the reader raises ValueError, IndexError, struct errors
+            raise _error(self.path, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+        size = os.path.getsize(self.path)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise _error(self.path, f"truncated: tensor {t.name!r} ends at byte "
+                                        f"{t.data_offset + t.n_bytes}, the file has {size}")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise _error(self.path, f"metadata key {key!r} missing")
+        return value
+
+    @property
+    def architecture(self) -> str:
+        arch = self.require("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise _error(self.path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+        return arch
+
+    def config(self) -> ModelConfig:
+        arch = self.architecture
+        key = lambda name: f"{arch}.{name}"  # noqa: E731
+        heads = self.require(key("attention.head_count"))
+        hidden = self.require(key("embedding_length"))
+        tokens = self.get("tokenizer.ggml.tokens") or []
+        kind = self.get(key("rope.scaling.type"), "none")
+        if kind not in ("none", "linear", "yarn"):
+            raise _error(self.path, f"unsupported rope scaling type {kind!r}")
+        rope = None if kind == "none" else RopeScaling(
+            rope_type=kind, factor=self.get(key("rope.scaling.factor"), 1.0),
+            original_max_position_embeddings=self.get(key("rope.scaling.original_context_length"), 0))
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=self.get(key("vocab_size")) or len(tokens) or self.tensors["token_embd.weight"].shape[1],
+            hidden_size=hidden,
+            intermediate_size=self.require(key("feed_forward_length")),
+            num_hidden_layers=self.require(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=self.get(key("attention.head_count_kv")) or heads,
+            head_dim=self.get(key("attention.key_length")) or hidden // heads,
+            max_position_embeddings=self.get(key("context_length"), 2048),
+            rms_norm_eps=self.get(key("attention.layer_norm_rms_epsilon"), 1e-6),
+            rope_theta=self.get(key("rope.freq_base"), 10000.0),
+            rope_scaling=rope,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            o_bias="blk.0.attn_output.bias" in self.tensors,
+            mlp_bias="blk.0.ffn_up.bias" in self.tensors,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, dequantized to fp32, in HF's (row-major) shape."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        t = self.tensors[name]
+        try:
+            values = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+        except NotImplementedError:
+            raise _error(self.path, f"tensor {name!r} is {t.tensor_type.name}, "
+                                    f"which the gguf reader cannot dequantize") from None
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+
+    def state_dict(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """HF-named tensors; Q/K rows of `llama` files back in HF's rotate-half order."""
+        permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        state = {}
+        for name in self.tensors:
+            if name == "rope_freqs.weight":
+                continue
+            base, _, suffix = name.rpartition(".")
+            parts = base.split(".")
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+                module = LAYER_TENSORS[parts[2]]
+                hf = f"model.layers.{parts[1]}.{module}.{suffix}"
+            elif base in GLOBAL_TENSORS:
+                module, hf = None, f"{GLOBAL_TENSORS[base]}.{suffix}"
+            else:
+                raise _error(self.path, f"unexpected tensor {name!r}")
+            tensor = self.tensor(name)
+            if cfg.architecture == "LlamaForCausalLM" and module in permuted:
+                tensor = unpermute_rows(tensor, permuted[module])
+            state[hf] = tensor
+        return state
+
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        """llama3-style RoPE scaling, as llama.cpp stores it: a divisor per frequency."""
+        return self.tensor("rope_freqs.weight") if "rope_freqs.weight" in self.tensors else None
+
+    def tokenizer(self) -> TextTokenizer:
+        model = self.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise _error(self.path, f"tokenizer model {model!r} is not supported (supported: 'gpt2', byte-level BPE)")
+        tokens = self.require("tokenizer.ggml.tokens")
+        types = self.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = self.get("tokenizer.ggml.merges") or []
+        return TextTokenizer(byte_level_bpe(tokens, types, merges, self.get("tokenizer.ggml.pre", "default"),
+                                            self.get("tokenizer.ggml.bos_token_id")
+                                            if self.get("tokenizer.ggml.add_bos_token", False) else None),
+                             self.path)
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of the rotary dimensions of Q or K
+    (rows [h, 2, d/2] were stored as [h, d/2, 2])."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
+                   bos_id: int | None) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from a GGUF's vocabulary.
+    Control tokens become special added tokens and user-defined ones plain
+    added tokens (both matched whole), as transformers' GGUF converter does."""
+    alphabet = set(_BYTE_ENCODER.values())
+    vocab = {}
+    for i, token in enumerate(tokens):  # tokens outside the byte alphabet are spelled byte by byte
+        spelled = token if set(token) <= alphabet else "".join(_BYTE_ENCODER[b] for b in token.encode())
+        vocab.setdefault(spelled, i)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in REGEX_SPLITS)
+    if pre in REGEX_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(REGEX_SPLITS[pre]), behavior="isolated"), byte_level])
+    elif pre in SINGLE_DIGIT_PRES:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return tok
+

