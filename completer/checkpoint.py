@@ -78,6 +78,8 @@ def parse_config(path: Path) -> ModelConfig:
             mlp_bias=raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            head_vocab_size=raw.get("head_vocab_size", 0),
+            embedding_from_target=raw.get("embedding_from_target", False),
         )
     except KeyError as e:
         raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
@@ -119,20 +121,21 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load_checkpoint(path: str | Path, precision: str = "fp32",
-                    device: str | torch.device = "cpu") -> tuple[Transformer, TextTokenizer]:
+def load_checkpoint(path: str | Path, precision: str = "fp32", device: str | torch.device = "cpu",
+                    target: Transformer | None = None) -> tuple[Transformer, TextTokenizer]:
     """The model and tokenizer of an HF directory or a GGUF file."""
     path = Path(path)
     if is_gguf(path):
         gguf = GgufFile(path)
         return _load_gguf(gguf, precision, device), gguf.tokenizer()
-    return load_model(path, precision, device), load_tokenizer(path)
+    return load_model(path, precision, device, target), load_tokenizer(path)
 
 
-def load_model(path: str | Path, precision: str = "fp32",
-               device: str | torch.device = "cpu") -> Transformer:
+def load_model(path: str | Path, precision: str = "fp32", device: str | torch.device = "cpu",
+               target: Transformer | None = None) -> Transformer:
     """An HF checkpoint directory or a GGUF file. precision: auto, fp32, bf16,
-    fp16, or fp8 (projections as completer.fp8.Fp8Linear, the rest bf16)."""
+    fp16, or fp8 (projections as completer.fp8.Fp8Linear, the rest bf16).
+    `target`: the model a drafter with `embedding_from_target` drafts for."""
     path = Path(path)
     if is_gguf(path):
         return _load_gguf(GgufFile(path), precision, device)
@@ -140,7 +143,16 @@ def load_model(path: str | Path, precision: str = "fp32",
         raise CheckpointError(f"{path}: model directory not found")
     cfg = parse_config(path / "config.json")
     state, scales = _read_safetensors(path, cfg)
-    return _build(cfg, state, scales, precision, device, path)
+    if cfg.embedding_from_target:
+        embedding = None if target is None else target.model.embed_tokens.weight
+        if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise CheckpointError(f"{path / 'config.json'}: a drafter that reads its target's embeddings "
+                                  f"({cfg.vocab_size} x {cfg.hidden_size}) needs that target")
+        state["model.embed_tokens.weight"] = embedding.detach()
+    model = _build(cfg, state, scales, precision, device, path)
+    if cfg.embedding_from_target and model.model.embed_tokens.weight.dtype == embedding.dtype:
+        model.model.embed_tokens.weight = target.model.embed_tokens.weight  # one copy in memory
+    return model
 
 
 def _load_gguf(gguf: GgufFile, precision: str, device) -> Transformer:
@@ -255,6 +267,9 @@ def config_json(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
         "hidden_act": "silu", "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
         "torch_dtype": "bfloat16",
+        # Ours (a drafter's reduced output layer, shared embeddings); transformers does not know them.
+        **({"head_vocab_size": cfg.head_vocab_size} if cfg.head_vocab_size else {}),
+        **({"embedding_from_target": True} if cfg.embedding_from_target else {}),
     }
 
 
@@ -262,8 +277,11 @@ def save_model(model: Transformer, directory: Path, tokenizer: TextTokenizer,
                dtype: torch.dtype = torch.bfloat16) -> None:
     """Write an HF-format directory that transformers' AutoModelForCausalLM loads."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    cfg = model.config
+    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v).contiguous()
+             for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+             and not (k == "model.embed_tokens.weight" and cfg.embedding_from_target)}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_json(model.config), indent=2) + "\n")
     tokenizer.tokenizer.save(str(directory / "tokenizer.json"))

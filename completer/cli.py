@@ -42,8 +42,8 @@ def cmd_complete(args: argparse.Namespace) -> int:
     from completer.engine.core import EngineError, request_for
     from completer.engine.engine import Engine, run_in_passing_thread
     from completer.engine.sequence import SamplingParams
-    from completer.loading import load
-    from completer.model_store import ModelFetchError, resolve_draft, resolve_target
+    from completer.loading import load_models
+    from completer.model_store import ModelFetchError
 
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
@@ -57,10 +57,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
         suffix = stdin if args.suffix == "-" else (args.suffix or "")
         name = None
     try:  # torch work stays off this thread (see run_in_passing_thread)
-        target_path = resolve_target(args.model)
-        draft_path = resolve_draft(args.draft, target_path)
-        target = run_in_passing_thread(load, target_path, args.precision, args.template)
-        draft = run_in_passing_thread(load, draft_path, args.precision, args.template) if draft_path else None
+        target, draft = run_in_passing_thread(load_models, args.model, args.draft, args.precision, args.template)
     except (CheckpointError, ModelFetchError) as e:
         raise SystemExit(f"error: {e}") from None
     builder = target.prompt_builder(args.context_tokens - args.max_tokens)

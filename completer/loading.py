@@ -11,7 +11,7 @@ import torch
 from completer.checkpoint import CheckpointError, load_checkpoint, resolve_precision
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
-from completer.model_store import PACKAGED_MODELS
+from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
 from completer.prompt import FimTemplate, PromptBuilder, get_template, marker_id
 from completer.tokenizer import TextTokenizer
 
@@ -50,13 +50,26 @@ def detect_template(tokenizer: TextTokenizer) -> str:
 
 
 def load(directory: str | Path, precision: str = "fp32", template: str | None = None,
-         order: str | None = None, device: str = "cpu") -> LoadedModel:
+         order: str | None = None, device: str = "cpu", target: LoadedModel | None = None) -> LoadedModel:
+    """A model with its tokenizer and template; `target` for a drafter that
+    reads its target's embeddings."""
     directory = Path(directory)
     precision = resolve_precision(precision, device)
-    model, tokenizer = load_checkpoint(directory, precision, device)
+    model, tokenizer = load_checkpoint(directory, precision, device, target.model if target else None)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary has {model.config.vocab_size}")
     fim = get_template(template or detect_template(tokenizer), order)
     name = directory.name if directory.parent != PACKAGED_MODELS else f"completer-embedded-{directory.name}"
     return LoadedModel(name, directory, model, tokenizer, fim, precision, str(device))
+
+
+def load_models(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
+                template: str | None = None, order: str | None = None,
+                device: str = "cpu") -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and drafter from their settings ("default", "embedded", a path;
+    a drafter "" is none), as `completer serve` loads them."""
+    target_path = resolve_target(target)
+    draft_path = resolve_draft(str(draft), target_path)
+    loaded = load(target_path, precision, template, order, device)
+    return loaded, load(draft_path, precision, template, order, device, target=loaded) if draft_path else None

@@ -50,13 +50,21 @@ class ModelConfig(msgspec.Struct, frozen=True):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # A drafter's output layer may cover only the `head_vocab_size` tokens it
+    # proposes (EAGLE-3's reduced vocabulary): its rows map to full-vocabulary
+    # ids through the `head_token_ids` buffer; logits are over the full
+    # vocabulary, -inf for tokens it never proposes. 0 = the whole vocabulary.
+    head_vocab_size: int = 0
+    # A drafter that reads its token embeddings from its target's (the same
+    # vocabulary and width): its checkpoint leaves them out.
+    embedding_from_target: bool = False
 
     def num_parameters(self) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
         layer = attn + 3 * d * f + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embed + d
+        head = 0 if self.tie_word_embeddings else (self.head_vocab_size or self.vocab_size) * d
+        return self.num_hidden_layers * layer + self.vocab_size * d + head + d
 
 
 class AttentionBackend(Protocol):
@@ -203,9 +211,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab_size or cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.head_vocab_size:
+            self.register_buffer("head_token_ids", torch.arange(cfg.head_vocab_size))
         self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
 
@@ -236,9 +246,17 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, positions, backend)
         return self.model.norm(x)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the full vocabulary from final hidden states [..., D]."""
+        out = self.lm_head(hidden).float()
+        if not self.config.head_vocab_size:
+            return out
+        full = out.new_full((*out.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_token_ids, out)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 backend: AttentionBackend | None = None) -> torch.Tensor:
         """Logits [B, T, V] (fp32). Without a backend: causal over `tokens` alone."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.lm_head(self.hidden_states(tokens, positions, backend)).float()
+        return self.logits(self.hidden_states(tokens, positions, backend))

@@ -23,6 +23,10 @@ import msgspec
 PACKAGED_MODELS = Path(__file__).parent / "models"
 EMBEDDED_TARGET = PACKAGED_MODELS / "target"
 EMBEDDED_DRAFT = PACKAGED_MODELS / "draft"
+# The default target's drafter, trained here (`completer train draft-from-target`):
+# its first layers and a head over its 8,192 most frequent tokens; it reads
+# the target's embeddings, so it ships without them.
+DEFAULT_TARGET_DRAFT = PACKAGED_MODELS / "smollm2-draft"
 
 
 class WheelModel(msgspec.Struct, frozen=True):
@@ -137,12 +141,15 @@ def resolve_target(setting: str | Path) -> Path:
 
 def resolve_draft(setting: str, target: Path) -> Path | None:
     """"default" is the drafter made for the (resolved) target: the embedded
-    drafter with the embedded target, none otherwise (n-gram proposals remain)."""
+    drafter with the embedded target, ours with the default target, none
+    otherwise (n-gram proposals remain)."""
     setting = str(setting)
     if not setting:
         return None
     if setting == "default":
-        return EMBEDDED_DRAFT if target == EMBEDDED_TARGET else None
+        made_for = {EMBEDDED_TARGET: EMBEDDED_DRAFT, cached_path(DEFAULT_TARGET): DEFAULT_TARGET_DRAFT}
+        drafter = made_for.get(target)
+        return drafter if drafter is not None and drafter.is_dir() else None
     if setting == "embedded":
         return EMBEDDED_DRAFT
     return Path(setting).expanduser()

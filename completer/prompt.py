@@ -79,9 +79,6 @@ TEMPLATES: dict[str, FimTemplate] = {
     "prefix": FimTemplate(
         name="prefix", prefix="", suffix="", middle="", order="prefix",
         stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
-    "prefix-filesep": FimTemplate(
-        name="prefix-filesep", prefix="", suffix="", middle="", order="prefix", file_sep="<file_sep>",
-        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
 }
 
 
@@ -133,6 +130,11 @@ class PromptBuilder:
         self._special: dict[str, int] = {}
         self._space = tokenizer.encode(" ") if template.marker_space else []
         self._bos = tokenizer.bos_ids()  # stable, first: cached like the rest
+        if template.order == "prefix" and not self._bos:
+            # A model trained on documents joined by its end-of-text token saw
+            # every file start after one: the prompt starts as a document does
+            # (and is never empty, even at an empty prefix after token healing).
+            self._bos = self.stop_ids[:1]
         for marker in (template.prefix, template.suffix, template.middle, template.file_sep):
             if not marker:
                 continue

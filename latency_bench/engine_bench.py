@@ -29,8 +29,7 @@ from completer.engine.sequence import SamplingParams
 from completer.evaluate import heldout_files, line_starts
 from completer.checkpoint import resolve_precision
 from completer.checkpoint import is_gguf
-from completer.loading import LoadedModel, load
-from completer.model_store import resolve_draft, resolve_target
+from completer.loading import LoadedModel, load_models
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -156,12 +155,11 @@ async def main_async(args) -> dict:
     THREADS = EngineConfig(threads=args.threads, decode_threads=args.decode_threads)
     # Torch work off the engine's thread runs on threads that end (run_in_passing_thread):
     # a live second OpenMP team would slow the engine's.
-    args.target = resolve_target(args.target)
-    args.draft = resolve_draft(args.draft, args.target)
-    target = run_in_passing_thread(load, args.target, args.precision)
-    draft = run_in_passing_thread(load, args.draft, args.precision) if args.draft else None
+    target, draft = run_in_passing_thread(load_models, args.target, args.draft, args.precision)
     variants = [v for v in SPEC_VARIANTS if draft is not None or v[0] != "engine_draft"]
-    hf_variants = ("plain", "assisted", "prompt_lookup") if draft is not None else ("plain", "prompt_lookup")
+    # HF's assisted generation needs a drafter transformers can load on its own.
+    hf_draft = draft.directory if draft is not None and not draft.model.config.embedding_from_target else None
+    hf_variants = ("plain", "assisted", "prompt_lookup") if hf_draft else ("plain", "prompt_lookup")
     torch.set_num_threads(args.threads)
     builder = target.prompt_builder(args.context - 64)
     eos = builder.stop_ids
@@ -171,7 +169,7 @@ async def main_async(args) -> dict:
                      "threads": args.threads,
                      "decode_threads": args.decode_threads or args.threads}  # as EngineCore resolves it
     rows: list[tuple[str, str, str]] = []
-    hf = run_in_passing_thread(hf_runner, args.target, args.draft, PRECISION_DTYPES[args.precision],
+    hf = run_in_passing_thread(hf_runner, target.directory, hf_draft, PRECISION_DTYPES[args.precision],
                                args.threads)
 
     def hf_rows(key: str, case_prompts: list[list[int]], line: bool, max_new: int, variant: str) -> None:

@@ -20,8 +20,7 @@ from torch import nn
 from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, heldout_files,
                                 line_starts)
 from completer.fp8 import LINEAR_NAMES, quantize_linears, quantize_rows
-from completer.loading import LoadedModel, load
-from completer.model_store import resolve_draft, resolve_target
+from completer.loading import LoadedModel, load, load_models
 
 
 @torch.inference_mode()
@@ -111,14 +110,12 @@ def main() -> int:
 
     _, files = heldout_files()
     picks = line_starts(files, args.lines, args.seed)
-    args.target = resolve_target(args.target)
-    args.draft = resolve_draft(args.draft, args.target)
-    report: dict = {"target": str(args.target), "draft": str(args.draft) if args.draft else None}
+    report: dict = {}
     models = {}
     for precision in ("bf16", "fp8"):
-        target = load(args.target, precision)
-        draft = load(args.draft, precision) if args.draft else None
+        target, draft = load_models(args.target, args.draft, precision)
         models[precision] = (target, draft)
+        report |= {"target": target.name, "draft": draft.name if draft else None}
         report[precision] = {
             "target_bits_per_byte": bits_per_byte(target, files, args.chunks, args.context_tokens, args.seed),
             "exact_match": exact_match(target, picks, args.context_tokens),
@@ -127,8 +124,9 @@ def main() -> int:
             report[precision] |= {
                 "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
                 "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
-                                                     args.context_tokens, 4)[2]}
-    for i, name in enumerate(("target", "draft")[: 2 if args.draft else 1]):
+                                                     args.context_tokens, 4)[0]}
+    args.target = models["bf16"][0].directory  # the resolved path, for the loads below
+    for i, name in enumerate(("target", "draft")[: 2 if models["bf16"][1] else 1]):
         report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
                                                           args.chunks, args.context_tokens, args.seed)
     # The metric's floor on these models: one bf16 rounding alone (fp32 vs bf16).
@@ -152,7 +150,7 @@ def main() -> int:
     for key in ("exact_match", "draft_acceptance"):
         if key in b:
             print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
-    drafter = f", draft {report['draft_top1_agreement']:.2%}" if args.draft else ""
+    drafter = f", draft {report['draft_top1_agreement']:.2%}" if report["draft"] else ""
     print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}{drafter} "
           f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
     for name, agreement in report.get("target_top1_agreement_one_projection", {}).items():

@@ -127,3 +127,30 @@ def test_error_is_one_line(saved, tmp_path):
     with pytest.raises(CheckpointError) as info:
         load_model(d)
     assert "\n" not in str(info.value) and "config.json" in str(info.value)
+
+
+def test_drafter_reads_its_targets_embeddings_and_proposes_from_its_head(saved, tmp_path):
+    """A drafter cut from its target (`completer train draft-from-target`)
+    ships without the embeddings it shares, and its logits cover its head's
+    tokens only (-inf elsewhere)."""
+    import msgspec
+
+    from completer.training.trainer import drafter_from_teacher
+
+    target = load(saved)
+    cfg = msgspec.structs.replace(TINY, num_hidden_layers=1, head_vocab_size=50, embedding_from_target=True,
+                                  tie_word_embeddings=False)
+    drafter = Transformer(cfg).eval()
+    head = torch.arange(50) * 3
+    drafter_from_teacher(drafter, target.model, head)
+    save_model(drafter, tmp_path / "d", target.tokenizer, dtype=torch.float32)
+    assert "model.embed_tokens.weight" not in load_file(tmp_path / "d" / "model.safetensors")
+    loaded = load(tmp_path / "d", target=target)
+    assert loaded.model.model.embed_tokens.weight is target.model.model.embed_tokens.weight
+    ids = torch.randint(0, TINY.vocab_size, (1, 12))
+    with torch.no_grad():
+        logits, reference = loaded.model(ids), drafter(ids)
+    assert torch.isinf(logits[..., 1]).all() and torch.isfinite(logits[..., head]).all()
+    assert torch.allclose(logits[..., head], reference[..., head], atol=1e-5)
+    with pytest.raises(CheckpointError, match=r"config\.json: a drafter that reads its target's embeddings"):
+        load_model(tmp_path / "d")

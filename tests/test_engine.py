@@ -47,10 +47,22 @@ def make_core(models, tokenizer, draft="other", blocks=400, config=None, spec=No
     target, other = models
     config = config or EngineConfig(block_size=bs, prefill_chunk=64)
     spec = spec or SpecConfig()
-    drafter = {"other": other, "same": copy.deepcopy(target), None: None}[draft]
+    drafter = {"other": other, "same": copy.deepcopy(target), "cut": cut_drafter(target), None: None}[draft]
     t = CachedModel(target, blocks, bs, config.prefix_cache, paged_kernel=kernel)
     d = CachedModel(drafter, blocks, bs, config.prefix_cache, paged_kernel=kernel) if drafter is not None else None
     return EngineCore(t, d, tokenizer, [0], config, spec)
+
+
+def cut_drafter(target):
+    """The target's first layer with an output layer over 100 of its tokens
+    (`completer train draft-from-target`'s starting point)."""
+    from completer.training.trainer import drafter_from_teacher
+
+    cfg = ModelConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "num_hidden_layers": 1,
+                         "head_vocab_size": 100, "embedding_from_target": True})
+    drafter = Transformer(cfg).eval()
+    drafter_from_teacher(drafter, target, torch.arange(0, 320, 3)[:100])
+    return drafter
 
 
 def prompts(n, seed=0, length=(20, 60)):
@@ -96,7 +108,7 @@ def greedy_reference(models, prompt, n):
 
 
 @pytest.mark.parametrize("draft, ngram", [(None, False), ("other", False), ("same", False),
-                                          (None, True), ("other", True)])
+                                          ("cut", False), (None, True), ("other", True)])
 def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, ngram):
     core = make_core(models, tokenizer, draft=draft, spec=SpecConfig(ngram=ngram))
     ps = prompts(12)
@@ -108,6 +120,8 @@ def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, n
         t = done["0"].timings
         assert t.draft_proposed > 0 and t.draft_accepted == t.draft_proposed
         assert 0 < t.draft_rounds <= t.draft_proposed
+    if draft == "cut":  # it proposes only tokens of its head, and some are accepted
+        assert sum(done[str(i)].timings.draft_accepted for i in range(len(ps))) > 0
     assert core.target.blocks.usage() == 0
 
 

@@ -267,14 +267,16 @@ def test_prefix_template_is_detected_and_lays_out_the_prefix_alone(plain_tok, do
     assert detect_template(plain_tok) == "prefix"
     b = PromptBuilder(plain_tok, get_template("prefix"), 256)
     prompt = b.build(P, S)
-    assert prompt.tokens == plain_tok.encode(P) and prompt.prefix_tokens == len(prompt.tokens)
+    eot = plain_tok.token_id("<|endoftext|>")  # a document starts after one, as in pretraining
+    assert prompt.tokens == [eot] + plain_tok.encode(P) and prompt.prefix_tokens == len(prompt.tokens) - 1
     assert prompt.window == Window(0, 0)  # the suffix is not in the prompt
-    assert b.stop_ids == [plain_tok.token_id("<|endoftext|>")]
+    assert b.stop_ids == [eot]
+    assert b.build("", S).tokens == [eot]  # never empty
     # The whole budget goes to the prefix; snippets still come first, as comments.
     prefix, suffix = doc
     long = b.build(prefix, suffix, snippets=[Snippet("a.py", "A = 1\n")])
     assert 0.5 * b.budget < len(long.tokens) <= b.budget  # the window start sits on a line grid
-    assert plain_tok.decode(long.tokens).startswith("# a.py\nA = 1\n\n")
+    assert plain_tok.decode(long.tokens).startswith("<|endoftext|># a.py\nA = 1\n\n")
     assert plain_tok.decode(long.tokens).endswith(prefix[long.window.prefix_start:])
     assert get_template("prefix", order="spm").order == "prefix"  # no order to choose
 
@@ -296,7 +298,7 @@ def test_prefix_template_keystrokes_keep_the_window_and_heal_the_cursor(plain_to
     assert len(steady) >= len(typed) - 3
     assert all(lcp(a.tokens, c.tokens) >= len(a.tokens) - 6 for a, c in steady)  # only the tail changes
     for k in (0, 57, len(typed)):
-        assert plain_tok.decode(prompts[k].tokens) == (prefix + typed[:k])[prompts[k].window.prefix_start:]
+        assert plain_tok.decode(prompts[k].tokens[1:]) == (prefix + typed[:k])[prompts[k].window.prefix_start:]
     # The prompt ends with the prefix: its last token is backed off and re-spelled.
     last = prompts[-1]
     request = request_for("r", last, prefix + typed, suffix, SamplingParams(), TokenHealer(plain_tok), "prefix")

@@ -96,7 +96,7 @@ class _Bucket:
 
     def body(self) -> None:
         hidden = self.model.hidden_states(self.tokens, self.positions, self.backend)
-        self.logits = self.model.lm_head(hidden[:, 0]).float()
+        self.logits = self.model.logits(hidden[:, 0])
 
     def capture(self) -> None:
         side = torch.cuda.Stream()

@@ -73,7 +73,7 @@ class CachedModel:
         if last_only:
             last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
             hidden = hidden[torch.arange(len(rows), device=self.device), last]
-        return self.model.lm_head(hidden).float()
+        return self.model.logits(hidden)
 
     def _plain_decode(self, states: list[CacheState], rows: list[list[int]], last_only: bool) -> torch.Tensor:
         for state in states:

@@ -23,8 +23,7 @@ from websockets.http11 import Request, Response
 
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.loading import LoadedModel, load
-from completer.model_store import resolve_draft, resolve_target
+from completer.loading import LoadedModel, load_models
 from completer.prompt import PromptBuilder
 from completer.server import security
 from completer.server.metrics import Metrics
@@ -52,12 +51,8 @@ class App:
     def load_models(self) -> None:
         """Load target and drafter (raises CheckpointError naming the problem)."""
         m = self.config.model
-        kwargs = dict(precision=m.precision, template=m.template or None, order=m.order or None,
-                      device=m.device)
-        target = resolve_target(m.target)
-        self.target = load(target, **kwargs)
-        if draft := resolve_draft(m.draft, target):
-            self.draft = load(draft, **kwargs)
+        self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
+                                              m.order or None, m.device)
 
     def prompt_builder(self) -> PromptBuilder:
         m = self.config.model

@@ -13,8 +13,9 @@ from completer.training.trainer import DRAFT, TARGET, TrainSpec, train
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the embedded default models (tokenizer, target, draft)")
-    p.add_argument("what", choices=["tokenizer", "target", "draft"])
+    p = sub.add_parser("train", help="train the embedded models (tokenizer, target, draft), or a drafter "
+                                     "cut from a pretrained target (draft-from-target)")
+    p.add_argument("what", choices=["tokenizer", "target", "draft", "draft-from-target"])
     p.add_argument("--run-dir", type=Path, default=Path("runs"),
                    help="where state, logs and exports go (default: runs/)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: 1300 target, 1200 draft)")
@@ -29,12 +30,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", type=Path, help="HF dir whose weights start the run (continue "
                                                     "training with a fresh schedule; pick a new --seed "
                                                     "for new examples)")
+    p.add_argument("--target", default="default",
+                   help="draft-from-target: the target to cut and distil from (a GGUF, a directory, "
+                        "'default' = SmolLM2-135M)")
+    p.add_argument("--layers", type=int, default=2, help="draft-from-target: the target's first N layers")
+    p.add_argument("--head-vocab", type=int, default=8192,
+                   help="draft-from-target: tokens the drafter proposes (the corpus' most frequent)")
     p.add_argument("--export", type=Path, help="copy the finished HF directory here")
     p.add_argument("--checkpoint-minutes", type=float, default=10)
     p.set_defaults(func=run)
 
 
+def draft_from_target(args: argparse.Namespace) -> TrainSpec:
+    """A drafter that shares the target's vocabulary and embeddings: its first
+    layers, distilled on the corpus with the target's prompt layout."""
+    from completer.checkpoint import load_checkpoint
+    from completer.loading import detect_template
+    from completer.model_store import resolve_target
+
+    teacher = resolve_target(args.target)
+    model, tokenizer = load_checkpoint(teacher, "fp32")
+    cfg = msgspec.structs.replace(model.config, num_hidden_layers=args.layers, head_vocab_size=args.head_vocab,
+                                  embedding_from_target=True, tie_word_embeddings=False)
+    return TrainSpec(model=cfg, steps=args.steps or 600, rows=args.rows, seq_len=args.seq_len,
+                     lr=args.lr or 5e-4, warmup=20, seed=args.seed, teacher=str(teacher),
+                     template=detect_template(tokenizer), from_teacher=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.what == "draft-from-target":
+        spec = draft_from_target(args)
+        return train_and_export(args, spec, Path(spec.teacher))  # the target's file holds its tokenizer
     tokenizer_dir = args.tokenizer or args.run_dir / "tokenizer"
     if args.what == "tokenizer":
         from completer.tokenizer import train_bpe
@@ -63,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     vocab = len(tokenizer["model"]["vocab"])
     if vocab != spec.model.vocab_size:
         spec = msgspec.structs.replace(spec, model=msgspec.structs.replace(spec.model, vocab_size=vocab))
+    return train_and_export(args, spec, tokenizer_dir)
+
+
+def train_and_export(args: argparse.Namespace, spec: TrainSpec, tokenizer_dir: Path) -> int:
     out = train(args.run_dir / args.what, spec, tokenizer_dir, args.checkpoint_minutes,
                 log=lambda line: print(line, flush=True))
     if args.export:

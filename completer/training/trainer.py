@@ -46,9 +46,14 @@ class TrainSpec(msgspec.Struct, frozen=True):
     warmup: int = 100
     weight_decay: float = 0.1
     seed: int = 0
-    teacher: str | None = None  # HF dir of the model to distil from
+    teacher: str | None = None  # HF dir or GGUF of the model to distil from
     distill_weight: float = 0.9  # share of KL(teacher || student) in the loss
     init_from: str | None = None  # HF dir whose weights start the run (continued training)
+    template: str = "default"  # the prompt layout of the examples ("prefix": plain text, no FIM)
+    # A drafter cut from the teacher: its embeddings (shared, frozen), its first
+    # `model.num_hidden_layers` layers and final norm, and an output layer over
+    # the `model.head_vocab_size` tokens most frequent in the corpus.
+    from_teacher: bool = False
 
 
 def learning_rate(spec: TrainSpec, step: int) -> float:
@@ -59,23 +64,65 @@ def learning_rate(spec: TrainSpec, step: int) -> float:
     return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
 
 
-def make_examples(tokenizer: TextTokenizer, seq_len: int) -> ExampleMaker:
-    builder = PromptBuilder(tokenizer, get_template("default"), budget=seq_len)
-    return ExampleMaker(stdlib_corpus(), builder, eot_id=tokenizer.token_id(END_OF_TEXT))
+def make_examples(tokenizer: TextTokenizer, seq_len: int, template: str = "default") -> ExampleMaker:
+    builder = PromptBuilder(tokenizer, get_template(template), budget=seq_len)
+    fim_rate = 0.0 if builder.template.order == "prefix" else 0.8
+    return ExampleMaker(stdlib_corpus(), builder, eot_id=tokenizer.token_id(END_OF_TEXT), fim_rate=fim_rate)
 
 
 def loss_for(model: Transformer, batch: torch.Tensor, spec: TrainSpec,
              teacher: Transformer | None) -> torch.Tensor:
+    """Cross-entropy, mixed with KL(teacher || student) when distilling. A
+    student whose output layer covers part of the vocabulary is scored there:
+    the teacher's distribution renormalized over those tokens, and labels
+    outside them ignored."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
+    subset = model.head_token_ids if model.config.head_vocab_size else None
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(inputs)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        logits = model.lm_head(model.hidden_states(inputs, positions)).float()
+    if subset is not None:
+        index = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
+        index[subset] = torch.arange(len(subset))
+        labels = index[labels]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     if teacher is None:
         return ce
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        target_logp = F.log_softmax(teacher(inputs), dim=-1)
+        teacher_logits = teacher(inputs)
+        target_logp = F.log_softmax(teacher_logits if subset is None else teacher_logits[..., subset], dim=-1)
     kl = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean")
     return spec.distill_weight * kl / inputs.shape[1] + (1 - spec.distill_weight) * ce
+
+
+def frequent_tokens(tokenizer: TextTokenizer, n: int, chars: int = 8_000_000) -> torch.Tensor:
+    """The `n` token ids most frequent in the corpus (its first `chars`
+    characters, files in sorted order), sorted by id."""
+    texts, total = [], 0
+    for f in stdlib_corpus():
+        texts.append(f.text)
+        total += len(f.text)
+        if total >= chars:
+            break
+    counts = torch.zeros(tokenizer.vocab_size, dtype=torch.long)
+    for ids in tokenizer.encode_batch(texts):
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=tokenizer.vocab_size)
+    return counts.topk(n).indices.sort().values
+
+
+def drafter_from_teacher(model: Transformer, teacher: Transformer, head_ids: torch.Tensor) -> None:
+    """Start `model` (a drafter config) from the teacher: embeddings (frozen),
+    first layers, final norm; output rows from the teacher's for `head_ids`."""
+    ids = head_ids
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
+        for mine, theirs in zip(model.model.layers, teacher.model.layers):
+            mine.load_state_dict(theirs.state_dict())
+        model.model.norm.load_state_dict(teacher.model.norm.state_dict())
+        model.lm_head.weight.copy_(teacher.lm_head.weight[ids])
+        if model.config.head_vocab_size:
+            model.head_token_ids.copy_(ids)
+    model.model.embed_tokens.weight.requires_grad_(False)
 
 
 def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minutes: float = 10,
@@ -85,9 +132,13 @@ def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minute
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
     tokenizer = load_tokenizer(tokenizer_dir)
+    teacher = load_model(spec.teacher, "fp32") if spec.teacher else None
     model = Transformer(spec.model)
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95),
+    if spec.from_teacher:
+        n = spec.model.head_vocab_size
+        drafter_from_teacher(model, teacher, frequent_tokens(tokenizer, n) if n else torch.arange(spec.model.vocab_size))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, betas=(0.9, 0.95),
                             weight_decay=spec.weight_decay)
     step = 0
     state_path = run_dir / "state.pt"
@@ -100,10 +151,9 @@ def train(run_dir: Path, spec: TrainSpec, tokenizer_dir: Path, checkpoint_minute
         step = state["step"]
         log(f"resumed {state_path} at step {step}")
     elif spec.init_from:
-        model.load_state_dict(load_model(spec.init_from, "fp32").state_dict())
+        model.load_state_dict(load_model(spec.init_from, "fp32", target=teacher).state_dict())
         log(f"starting from the weights of {spec.init_from}")
-    teacher = load_model(spec.teacher, "fp32") if spec.teacher else None
-    examples = make_examples(tokenizer, spec.seq_len)
+    examples = make_examples(tokenizer, spec.seq_len, spec.template)
     log(f"{spec.model.num_parameters() / 1e6:.2f}M parameters, {spec.steps} steps of "
         f"{spec.rows}x{spec.seq_len} tokens" + (f", distilling {spec.teacher}" if teacher else ""))
 
