@@ -267,18 +267,20 @@ async def main_async(args) -> dict:
     text = "".join(f.text for f in heldout_files()[1])
     for size in args.ttft_sizes:
         doc = DocumentPrompt(target.prompt_builder(size))
-        cut = len(text) // 2
-        cut = text.rfind("\n", 0, cut) + 1
         engine = engine_for(target, draft, False, False)
         engine.start()
         one = SamplingParams(max_tokens=1, mode="free")
         cold, warm = [], []
         for rep in range(args.repeats):
-            prefix = text[: cut + 40 * rep]
-            base = doc.update(prefix, text[cut + 40 * rep:], "big.py").tokens
+            # Each repeat's cursor far from the others': nothing of its window is
+            # cached (a prompt without the suffix, as the prefix template's, would
+            # otherwise find the previous repeat's prefix).
+            cut = text.rfind("\n", 0, len(text) * (rep + 1) // (args.repeats + 1)) + 1
+            prefix = text[:cut]
+            base = doc.update(prefix, text[cut:], "big.py").tokens
             r = (await engine_requests(engine, [(base, picked[0])], one, False, f"cold{size}-{rep}"))[0]
             cold.append(r.seconds)
-            typed = doc.update(prefix + "x", text[cut + 40 * rep:], "big.py").tokens
+            typed = doc.update(prefix + "x", text[cut:], "big.py").tokens
             r = (await engine_requests(engine, [(typed, picked[0])], one, False, f"warm{size}-{rep}"))[0]
             warm.append(r.seconds)
         engine.stop()

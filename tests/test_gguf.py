@@ -155,3 +155,17 @@ def test_serve_stops_at_start_on_a_bad_gguf(tmp_path):
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(path) in errors[0], done.stderr
+
+
+async def test_serve_serves_a_gguf_the_user_has(tmp_path):
+    """`completer serve --model X.gguf`: ready, and completions stream."""
+    from server_harness import collect, complete_msg, connect, running_server
+
+    path, _ = write_pair(tmp_path, "qwen2", Q.Q4_K)
+    with running_server("engine.threads=1", model=str(path)) as server:
+        assert any("model.gguf" in line for line in server.log)
+        async with connect(server) as ws:
+            await ws.send(complete_msg("g", "def f(x):\n    return ", mode="free", max_tokens=5))
+            deltas, done = await collect(ws, "g")
+    assert done["type"] == "done" and done["text"] == "".join(deltas)
+    assert done["timings"]["generated_tokens"] > 0
