@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                         "once into the cache) or 'embedded' (the small model shipped in the package)")
     p.add_argument("--draft", default="default",
                    help="drafter: a file or directory, 'embedded', or '' for none "
-                        "(default: the embedded drafter with the embedded target, else none)")
+                        "(default: the drafter made for the target: ours for 'default' and "
+                        "'embedded', none for other models)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp8"])
     p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
     p.add_argument("--mode", default="line", choices=["line", "block", "free"])

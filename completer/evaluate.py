@@ -15,6 +15,7 @@ environment (third-party code the models never saw). Figures:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import random
 from pathlib import Path
@@ -98,7 +99,7 @@ def line_starts(files: list[SourceFile], n: int, seed: int,
     return picks
 
 
-async def _served(lm: LoadedModel, draft: LoadedModel | None, picks, budget: int,
+async def served(lm: LoadedModel, draft: LoadedModel | None, picks, budget: int,
                   params: SamplingParams, spec: SpecConfig) -> list[Finished]:
     """Each pick's completion through the engine, one at a time, as the server builds it."""
     engine = Engine.build(lm, draft, EngineConfig(deadline_ms=600_000), spec)
@@ -119,9 +120,7 @@ async def _served(lm: LoadedModel, draft: LoadedModel | None, picks, budget: int
 def exact_match(lm: LoadedModel, picks, budget: int, draft: LoadedModel | None = None) -> float:
     """Share of picks whose served completion (line mode, the default
     speculation) is the rest of the line."""
-    import asyncio
-
-    done = asyncio.run(_served(lm, draft, picks, budget, SamplingParams(max_tokens=48, mode="line"),
+    done = asyncio.run(served(lm, draft, picks, budget, SamplingParams(max_tokens=48, mode="line"),
                                SpecConfig(draft_model=draft is not None)))
     hits = sum(d.text.rstrip() == f.text[cursor:end].rstrip() for d, (f, cursor, end) in zip(done, picks))
     return hits / len(picks)
@@ -131,10 +130,8 @@ def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, budget: int
                      length: int = 32) -> tuple[float, float]:
     """(accepted / proposed, tokens per verifying pass) of the drafter's
     proposals through the engine: drafter only, k tokens every round, greedy."""
-    import asyncio
-
     spec = SpecConfig(ngram=False, adaptive=False, k_init=k, k_max=k)
-    done = asyncio.run(_served(target, draft, picks, budget, SamplingParams(max_tokens=length, mode="free"), spec))
+    done = asyncio.run(served(target, draft, picks, budget, SamplingParams(max_tokens=length, mode="free"), spec))
     proposed, accepted, rounds = (sum(getattr(d.timings, f) for d in done)
                                   for f in ("draft_proposed", "draft_accepted", "draft_rounds"))
     return accepted / max(proposed, 1), (accepted + rounds) / max(rounds, 1)

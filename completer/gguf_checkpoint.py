@@ -19,7 +19,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from completer.model import ModelConfig, RopeScaling
-from completer.tokenizer import TextTokenizer, _BYTE_ENCODER
+from completer.tokenizer import BYTE_ENCODER, TextTokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -92,17 +92,17 @@ class GgufFile:
         key = lambda name: f"{arch}.{name}"  # noqa: E731
         heads = self.require(key("attention.head_count"))
         hidden = self.require(key("embedding_length"))
-        tokens = self.get("tokenizer.ggml.tokens") or []
+        if "token_embd.weight" not in self.tensors:
+            raise _error(self.path, "tensor 'token_embd.weight' missing")
         kind = self.get(key("rope.scaling.type"), "none")
         if kind not in ("none", "linear", "yarn"):
             raise _error(self.path, f"unsupported rope scaling type {kind!r}")
         rope = None if kind == "none" else RopeScaling(
             rope_type=kind, factor=self.get(key("rope.scaling.factor"), 1.0),
             original_max_position_embeddings=self.get(key("rope.scaling.original_context_length"), 0))
-        eos = self.get("tokenizer.ggml.eos_token_id")
         return ModelConfig(
             architecture=ARCHITECTURES[arch],
-            vocab_size=self.get(key("vocab_size")) or len(tokens) or self.tensors["token_embd.weight"].shape[1],
+            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),  # ggml order: [width, rows]
             hidden_size=hidden,
             intermediate_size=self.require(key("feed_forward_length")),
             num_hidden_layers=self.require(key("block_count")),
@@ -118,7 +118,7 @@ class GgufFile:
             o_bias="blk.0.attn_output.bias" in self.tensors,
             mlp_bias="blk.0.ffn_up.bias" in self.tensors,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=eos,
+            eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
         )
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -183,10 +183,10 @@ def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: 
     """A byte-level BPE `tokenizers.Tokenizer` from a GGUF's vocabulary.
     Control tokens become special added tokens and user-defined ones plain
     added tokens (both matched whole), as transformers' GGUF converter does."""
-    alphabet = set(_BYTE_ENCODER.values())
+    alphabet = set(BYTE_ENCODER.values())
     vocab = {}
     for i, token in enumerate(tokens):  # tokens outside the byte alphabet are spelled byte by byte
-        spelled = token if set(token) <= alphabet else "".join(_BYTE_ENCODER[b] for b in token.encode())
+        spelled = token if set(token) <= alphabet else "".join(BYTE_ENCODER[b] for b in token.encode())
         vocab.setdefault(spelled, i)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))

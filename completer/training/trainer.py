@@ -113,15 +113,14 @@ def frequent_tokens(tokenizer: TextTokenizer, n: int, chars: int = 8_000_000) ->
 def drafter_from_teacher(model: Transformer, teacher: Transformer, head_ids: torch.Tensor) -> None:
     """Start `model` (a drafter config) from the teacher: embeddings (frozen),
     first layers, final norm; output rows from the teacher's for `head_ids`."""
-    ids = head_ids
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
         for mine, theirs in zip(model.model.layers, teacher.model.layers):
             mine.load_state_dict(theirs.state_dict())
         model.model.norm.load_state_dict(teacher.model.norm.state_dict())
-        model.lm_head.weight.copy_(teacher.lm_head.weight[ids])
+        model.lm_head.weight.copy_(teacher.lm_head.weight[head_ids])
         if model.config.head_vocab_size:
-            model.head_token_ids.copy_(ids)
+            model.head_token_ids.copy_(head_ids)
     model.model.embed_tokens.weight.requires_grad_(False)
 
 
