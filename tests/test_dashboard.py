@@ -5,8 +5,10 @@ screenshot under test-artifacts/."""
 import asyncio
 import base64
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 
@@ -50,14 +52,16 @@ async def traffic(server, stop):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 async def test_dashboard_shows_updating_p99():
-    with running_server() as server, tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write the profile after the browser
+    # exits; the scratch profile's cleanup must not fail the test.
+    with running_server() as server, tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         stop = asyncio.Event()
         load = asyncio.create_task(traffic(server, stop))
         browser = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", "--window-size=1280,1000", "--remote-debugging-port=0", "about:blank"],
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             url = None
             while url is None:
@@ -86,7 +90,7 @@ async def test_dashboard_shows_updating_p99():
         finally:
             stop.set()
             await load
-            browser.terminate()
+            os.killpg(browser.pid, signal.SIGTERM)  # the browser and its helpers
             browser.wait(timeout=20)
         assert updates >= 4, "the page stopped refreshing"
         assert seen[-1] > seen[0], f"request counts did not move: {seen}"
