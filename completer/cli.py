@@ -7,75 +7,72 @@ import json
 import sys
 from pathlib import Path
 
+from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
 
-def split_cursor(spec: str) -> tuple[Path, int, int]:
-    """`path/to/file.py:LINE:COL` (1-based, COL counts characters)."""
+def load_cli_config(args: argparse.Namespace, overrides: list[str]):
+    """The TOML config (--config, else configs/default.toml where it exists)
+    with --set overrides and then the command's own flags; exits with one
+    line naming the problem."""
+    from completer.config import DEFAULT_CONFIG, ConfigError, load_config
+
     try:
-        path, line, col = spec.rsplit(":", 2)
-        return Path(path), int(line), int(col)
-    except ValueError:
-        raise SystemExit(f"error: expected FILE:LINE:COL, got {spec!r}") from None
+        # configs/default.toml spells out the built-in defaults; a non-editable
+        # install may not have it, and then the defaults are the same.
+        default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+        return load_config(args.config or default, list(args.set or []) + overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
-def document_at(path: Path, line: int, col: int) -> tuple[str, str]:
-    """The file's text before and after the cursor."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"error: cannot read {path}: {e}") from None
-    lines = text.split("\n")
-    if not 1 <= line <= len(lines) or not 1 <= col <= len(lines[line - 1]) + 1:
-        raise SystemExit(f"error: {path}:{line}:{col} is outside the file "
-                         f"({len(lines)} lines; line {min(line, len(lines))} has "
-                         f"{len(lines[min(line, len(lines)) - 1])} characters)")
-    offset = sum(len(s) + 1 for s in lines[: line - 1]) + col - 1
-    return text[:offset], text[offset:]
+def flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """`section.key=value` for each flag given (flags: attribute -> key)."""
+    return [f"{key}={json.dumps(getattr(args, attr))}" for attr, key in flags.items()
+            if getattr(args, attr, None) is not None]
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
-    """One completion through the engine (the server's path), streamed to stdout."""
+    """One completion through the engine and the pipeline (the server's path), streamed to stdout."""
     import asyncio
 
     from completer.checkpoint import CheckpointError
-    from completer.engine.core import EngineError, request_for
-    from completer.engine.engine import Engine, run_in_passing_thread
-    from completer.engine.sequence import SamplingParams
+    from completer.engine.engine import run_in_passing_thread
+    from completer.engine.request import EngineError
     from completer.loading import load_models
     from completer.model_store import ModelFetchError
+    from completer.pipeline import LocalCompleter
+    from completer.protocol import Document
 
+    config = load_cli_config(args, flag_overrides(args, {
+        "model": "model.target", "draft": "model.draft", "precision": "model.precision",
+        "template": "model.template", "context_tokens": "model.context_tokens",
+        "mode": "request.mode", "max_tokens": "request.max_tokens"}))
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
         prefix, suffix = document_at(path, line, col)
-        name = str(path)
+        uri = path.resolve().as_uri()
     else:
         if args.prefix is None:
             raise SystemExit("error: give FILE:LINE:COL or --prefix (use - to read it from stdin)")
         stdin = sys.stdin.read() if "-" in (args.prefix, args.suffix) else ""
         prefix = stdin if args.prefix == "-" else args.prefix
         suffix = stdin if args.suffix == "-" else (args.suffix or "")
-        name = None
+        uri = ""
+    m = config.model
     try:  # torch work stays off this thread (see run_in_passing_thread)
-        target, draft = run_in_passing_thread(load_models, args.model, args.draft, args.precision, args.template)
+        target, draft = run_in_passing_thread(load_models, m.target, m.draft, m.precision, m.template or None,
+                                              m.order or None, m.device)
     except (CheckpointError, ModelFetchError) as e:
         raise SystemExit(f"error: {e}") from None
-    builder = target.prompt_builder(args.context_tokens - args.max_tokens)
-    engine = Engine.build(target, draft)
-    request = request_for("cli", builder.build(prefix, suffix, name), prefix, suffix,
-                          SamplingParams(max_tokens=args.max_tokens, mode=args.mode),
-                          engine.core.healer, builder.template.order)
 
     async def stream():
-        engine.start()
-        try:
-            deltas = engine.submit(request)
+        async with LocalCompleter(target, draft, config) as completer:
+            deltas = completer.stream(Document(uri, prefix, suffix))
             async for delta in deltas:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
             return await deltas.finished()
-        finally:
-            engine.stop()
 
     try:
         done = asyncio.run(stream())
@@ -93,27 +90,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from completer.checkpoint import CheckpointError
-    from completer.config import ConfigError, DEFAULT_CONFIG, load_config
     from completer.model_store import ModelFetchError
     from completer.server import security
     from completer.server.app import run
 
-    overrides = list(args.set or [])
-    if args.host:
-        overrides.append(f"server.host={json.dumps(args.host)}")
-    if args.port is not None:
-        overrides.append(f"server.port={args.port}")
-    if args.precision:
-        overrides.append(f'model.precision="{args.precision}"')
-    if args.model:
-        overrides.append(f"model.target={json.dumps(args.model)}")
-    try:
-        # configs/default.toml spells out the built-in defaults; a non-editable
-        # install may not have it, and then the defaults are the same.
-        default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
-        config = load_config(args.config or default, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+    config = load_cli_config(args, flag_overrides(args, {
+        "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target"}))
     token = args.token or os.environ.get("COMPLETER_TOKEN") or config.server.token
     if token:
         source = "given on the command line, in $COMPLETER_TOKEN or in the config"
@@ -157,18 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cursor", nargs="?", help="FILE:LINE:COL (1-based)")
     p.add_argument("--prefix", help="text before the cursor (- reads stdin)")
     p.add_argument("--suffix", help="text after the cursor (- reads stdin)")
-    p.add_argument("--model", default="default",
-                   help="a GGUF file, an HF checkpoint directory, 'default' (SmolLM2-135M, fetched "
-                        "once into the cache) or 'embedded' (the small model shipped in the package)")
-    p.add_argument("--draft", default="default",
-                   help="drafter: a file or directory, 'embedded', or '' for none "
-                        "(default: the drafter made for the target: ours for 'default' and "
-                        "'embedded', none for other models)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp8"])
-    p.add_argument("--template", help="FIM template (default: detected from the tokenizer)")
-    p.add_argument("--mode", default="line", choices=["line", "block", "free"])
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--context-tokens", type=int, default=1024, help="prompt + completion budget")
+    p.add_argument("--config", type=Path, help="TOML config, as `completer serve` reads it "
+                                               "(default: configs/default.toml)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable), e.g. --set spec.ngram=false")
+    p.add_argument("--model", help="sets model.target: a GGUF file, an HF checkpoint directory, "
+                                   "'default' (SmolLM2-135M, fetched once into the cache) or 'embedded' "
+                                   "(the small model shipped in the package)")
+    p.add_argument("--draft", help="sets model.draft: a file or directory, 'embedded', or '' for none "
+                                   "('default': the drafter made for the target, if any)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"], help="sets model.precision")
+    p.add_argument("--template", help="sets model.template (default: detected from the tokenizer)")
+    p.add_argument("--mode", choices=["line", "block", "free"], help="sets request.mode")
+    p.add_argument("--max-tokens", type=int, help="sets request.max_tokens")
+    p.add_argument("--context-tokens", type=int, help="sets model.context_tokens (prompt + completion)")
     p.set_defaults(func=cmd_complete)
 
     p = sub.add_parser("serve", help="serve completions over WebSocket (protocol v1)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import websockets
 
-from completer.cli import document_at, split_cursor
+from completer.cursor import document_at, split_cursor
 from completer.server.security import default_token_path
 
 

@@ -1,4 +1,4 @@
-"""The TOML config: `[model]`, `[engine]`, `[spec]`, `[server]`.
+"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`.
 
 Every key has a default here; a config file or `--set section.key=value`
 overrides it. An unknown section or key, or a value of the wrong type, stops
@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.request import Mode
 
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -24,6 +25,14 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     template: str = ""  # FIM template; "" detects it from the tokenizer
     order: str = ""  # "psm" / "spm" to override the template's order
     context_tokens: int = 1024  # prompt + completion window
+
+
+class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Defaults for what a request leaves out (every caller reads them here)."""
+
+    max_tokens: int = 64
+    deadline_ms: float = 2000.0
+    mode: Mode = "line"
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -43,6 +52,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelSection = ModelSection()
+    request: RequestSection = RequestSection()
     engine: EngineConfig = EngineConfig()
     spec: SpecConfig = SpecConfig()
     server: ServerSection = ServerSection()
@@ -82,6 +92,9 @@ def load_config(path: Path | None = None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})[key] = value
+    for key in ("max_tokens", "deadline_ms"):
+        if key in raw.get("engine", {}):
+            raise ConfigError(f"{source}: engine.{key} is now request.{key}")
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:

@@ -24,11 +24,13 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.core import Finished, request_for
-from completer.engine.engine import Engine, run_in_passing_thread
-from completer.engine.sequence import SamplingParams
+from completer.config import Config, ModelSection, RequestSection
+from completer.engine.config import SpecConfig
+from completer.engine.engine import run_in_passing_thread
+from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models
+from completer.pipeline import LocalCompleter, RequestOptions
+from completer.protocol import Document
 from completer.training.corpus import SourceFile, read_python_files
 
 
@@ -99,39 +101,34 @@ def line_starts(files: list[SourceFile], n: int, seed: int,
     return picks
 
 
-async def served(lm: LoadedModel, draft: LoadedModel | None, picks, budget: int,
-                  params: SamplingParams, spec: SpecConfig) -> list[Finished]:
-    """Each pick's completion through the engine, one at a time, as the server builds it."""
-    engine = Engine.build(lm, draft, EngineConfig(deadline_ms=600_000), spec)
-    builder = lm.prompt_builder(budget - params.max_tokens)
-    engine.start()
-    try:
+async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_tokens: int,
+                 options: RequestOptions, spec: SpecConfig) -> list[Finished]:
+    """Each pick's completion as the server makes it (the pipeline, then the engine), one at a time."""
+    config = Config(model=ModelSection(context_tokens=context_tokens), spec=spec,
+                    request=RequestSection(deadline_ms=600_000))
+    async with LocalCompleter(lm, draft, config) as completer:
         done = []
-        for i, (f, cursor, end) in enumerate(picks):
-            prefix, suffix = f.text[:cursor], f.text[end:]
-            request = request_for(f"eval-{i}", builder.build(prefix, suffix, f.path), prefix, suffix,
-                                  params, engine.core.healer, builder.template.order)
-            done.append(await engine.submit(request).finished())
+        for f, cursor, end in picks:
+            document = Document(f"file:///{f.path}", f.text[:cursor], f.text[end:])
+            done.append(await completer.stream(document, options=options).finished())
         return done
-    finally:
-        engine.stop()
 
 
-def exact_match(lm: LoadedModel, picks, budget: int, draft: LoadedModel | None = None) -> float:
+def exact_match(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None) -> float:
     """Share of picks whose served completion (line mode, the default
     speculation) is the rest of the line."""
-    done = asyncio.run(served(lm, draft, picks, budget, SamplingParams(max_tokens=48, mode="line"),
-                               SpecConfig(draft_model=draft is not None)))
+    done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
+                              SpecConfig(draft_model=draft is not None)))
     hits = sum(d.text.rstrip() == f.text[cursor:end].rstrip() for d, (f, cursor, end) in zip(done, picks))
     return hits / len(picks)
 
 
-def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, budget: int, k: int,
+def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, context_tokens: int, k: int,
                      length: int = 32) -> tuple[float, float]:
     """(accepted / proposed, tokens per verifying pass) of the drafter's
     proposals through the engine: drafter only, k tokens every round, greedy."""
     spec = SpecConfig(ngram=False, adaptive=False, k_init=k, k_max=k)
-    done = asyncio.run(served(target, draft, picks, budget, SamplingParams(max_tokens=length, mode="free"), spec))
+    done = asyncio.run(served(target, draft, picks, context_tokens, RequestOptions(max_tokens=length, mode="free"), spec))
     proposed, accepted, rounds = (sum(getattr(d.timings, f) for d in done)
                                   for f in ("draft_proposed", "draft_accepted", "draft_rounds"))
     return accepted / max(proposed, 1), (accepted + rounds) / max(rounds, 1)

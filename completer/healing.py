@@ -7,7 +7,7 @@ A prefix ending in `\\n        ` (a newline and 8 spaces) is tokenized with an
 out of the prompt and its bytes become a constraint: the first generated
 tokens must spell them (or begin with them) before anything new is written.
 Those bytes are not part of the completion. Only for templates whose prompt
-ends with the prefix (SPM).
+ends with the prefix (SPM, and the prefix template).
 """
 
 from __future__ import annotations
@@ -23,12 +23,6 @@ class TokenHealer:
                       for i in range(tokenizer.vocab_size)]
         self.masks: dict[bytes, torch.Tensor] = {}
 
-    def back_off(self, tokens: list[int], prefix_tokens: int) -> tuple[list[int], bytes]:
-        """The prompt without its last prefix token, and that token's bytes."""
-        if prefix_tokens <= 0:
-            return tokens, b""
-        return tokens[:-1], self.vocab[tokens[-1]]
-
     def allowed(self, pending: bytes, vocab_size: int) -> torch.Tensor:
         """Tokens that agree with `pending`: they spell a prefix of it, or start
         with all of it. A bool mask over the model's vocabulary (cached)."""
@@ -43,6 +37,13 @@ class TokenHealer:
     @staticmethod
     def constrain(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+
+
+def back_off(tokenizer: TextTokenizer, tokens: list[int], prefix_tokens: int) -> tuple[list[int], bytes]:
+    """The prompt without its last prefix token, and that token's bytes."""
+    if prefix_tokens <= 0 or tokens[-1] in tokenizer.special_ids:
+        return tokens, b""
+    return tokens[:-1], tokenizer.token_bytes(tokens[-1])
 
 
 def consume(pending: bytes, token: bytes) -> tuple[bytes, bytes]:

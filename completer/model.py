@@ -2,8 +2,9 @@
 
 The parameter names match Hugging Face's, so a checkpoint's state dict loads
 1:1. The forward pass takes explicit positions and hands K/V to an attention
-backend (see `completer.kv`), so the engine decides where KV lives: a static
-per-request cache here, a paged block pool later. Attention math is fp32.
+backend the model does not own (`engine/attention.py`: the paged pool), so
+the engine decides where K/V live; without one (training, scoring) attention
+is plain causal. Attention math is fp32.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from completer.engine.sequence import Timings
+from completer.engine.request import Timings
 
 PROTOCOL_VERSION = 1
 

@@ -1,5 +1,5 @@
 """Paged decode attention in fp32, reading K/V through block tables (no gather
-copy), beside a torch reference with completer/engine/paged_kv.py's semantics.
+copy), beside a plain-torch reference with the same semantics.
 
 One new token per sequence: q [B, Hq, D]; k_pool, v_pool [num_blocks *
 block_size, Hkv, D]; token t of sequence b sits at slot
@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from completer.model import attention_fp32
 
 
 @triton.jit
@@ -116,7 +115,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
                                  block_size: int, out: torch.Tensor | None = None,
                                  partition: int = 512, tile: int = 64) -> torch.Tensor:
-    """Gathers each sequence's slots as PagedBatch does, then fp32 SDPA."""
+    """Gathers each sequence's slots, then fp32 SDPA (the K/V heads shared by query groups)."""
     rows = []
     for b in range(q.shape[0]):
         n = int(context_lens[b])
@@ -124,6 +123,8 @@ def paged_decode_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()[:n]
         keys = k_pool[slots].transpose(0, 1)[None]  # [1, Hkv, n, D]
         values = v_pool[slots].transpose(0, 1)[None]
-        rows.append(attention_fp32(q[b][None, :, None], keys, values, None)[0, :, 0])
+        query = q[b][None, :, None].float()
+        rows.append(F.scaled_dot_product_attention(query, keys.float(), values.float(),
+                                                   enable_gqa=query.shape[1] != keys.shape[1])[0, :, 0].to(q.dtype))
     result = torch.stack(rows)
     return result if out is None else out.copy_(result)

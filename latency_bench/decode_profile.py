@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from completer.engine.block_manager import BlockManager
 from completer.engine.config import EngineConfig
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.engine.model_runner import CachedModel
+from completer.engine.model_runner import ModelRunner
+from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
 from completer.loading import LoadedModel, load
 from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
@@ -27,13 +29,15 @@ from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
 def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int) -> str:
     torch.set_num_threads(threads)
-    cache = CachedModel(loaded.model, -(-context // 16) + 8, 16)
+    blocks = -(-context // 16) + 8
+    runner = ModelRunner(loaded.model, KVPool(loaded.model.config, blocks, 16))
     state = CacheState()
-    cache.forward([state], [[1] * context], last_only=True)
+    BlockManager(blocks, 16).grow(state.table, context + 1)
+    runner.execute([state], [[1] * context], last_only=True)
 
     def step() -> None:
-        cache.forward([state], [[7]], last_only=True)
-        cache.rollback(state, context)
+        runner.execute([state], [[7]], last_only=True)
+        state.computed = context
 
     for _ in range(5):
         step()

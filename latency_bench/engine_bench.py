@@ -21,34 +21,23 @@ from pathlib import Path
 import msgspec
 import torch
 
+from completer.checkpoint import is_gguf, resolve_precision
+from completer.config import Config, ModelSection, RequestSection
 from completer.document import DocumentPrompt
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.core import Request
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.engine.sequence import SamplingParams
 from completer.evaluate import heldout_files, line_starts
-from completer.checkpoint import resolve_precision
-from completer.checkpoint import is_gguf
 from completer.loading import LoadedModel, load_models
+from completer.pipeline import CompletionPipeline, RequestOptions, display_path
+from completer.protocol import Document
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class Case(msgspec.Struct, frozen=True):
-    prefix: str
-    suffix: str
-    path: str
-    cursor_line: str
-
-
-def cases(n: int, seed: int) -> list[Case]:
+def cases(n: int, seed: int) -> list[Document]:
     _, files = heldout_files()
-    out = []
-    for f, cursor, end in line_starts(files, n, seed):
-        prefix = f.text[:cursor]
-        out.append(Case(prefix, f.text[end:], f.path, prefix[prefix.rfind("\n") + 1:]))
-    return out
+    return [Document(f"file:///{f.path}", f.text[:cursor], f.text[end:]) for f, cursor, end in line_starts(files, n, seed)]
 
 
 def median(xs: list[float]) -> float:
@@ -104,31 +93,47 @@ class EngineRun(msgspec.Struct):
     rounds: int
 
 
-async def engine_requests(engine: Engine, prompts: list[tuple[list[int], Case]], params: SamplingParams,
-                          concurrent: bool, tag: str) -> list[EngineRun]:
-    async def one(i: int, prompt: list[int], case: Case) -> EngineRun:
-        started = time.perf_counter()
-        stream = engine.submit(Request(f"{tag}-{i}", prompt, params, case.cursor_line, case.suffix))
-        done = await stream.finished()
-        t = done.timings
-        return EngineRun(time.perf_counter() - started, t.ttft_ms, t.generated_tokens,
-                         t.draft_proposed, t.draft_accepted, t.draft_rounds)
+class Served:
+    """An engine and the pipeline in front of it, as `completer serve` builds them."""
 
-    if concurrent:
-        return list(await asyncio.gather(*(one(i, p, c) for i, (p, c) in enumerate(prompts))))
-    return [await one(i, p, c) for i, (p, c) in enumerate(prompts)]
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, draft_on: bool, ngram: bool,
+                 prefix_cache: bool = True, context: int | None = None):
+        self.config = Config(
+            model=ModelSection(context_tokens=context or THREADS_AND_CONTEXT.context),
+            request=RequestSection(deadline_ms=600_000),
+            spec=SpecConfig(draft_model=draft_on, ngram=ngram, max_batch=64),
+            engine=EngineConfig(prefix_cache=prefix_cache, kv_cache_mb=512, max_running=64, prefill_chunk=16384,
+                                threads=THREADS_AND_CONTEXT.threads, decode_threads=THREADS_AND_CONTEXT.decode_threads))
+        self.pipeline = CompletionPipeline(target, self.config)
+        self.engine = Engine.build(target, draft if draft_on else None, self.config.engine, self.config.spec)
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    async def run(self, documents: list[tuple[Document, DocumentPrompt | None]], options: RequestOptions,
+                  concurrent: bool, tag: str) -> list[EngineRun]:
+        """Each document's completion; the request is built at submission, as a session builds it."""
+        async def one(i: int, document: Document, state: DocumentPrompt | None) -> EngineRun:
+            started = time.perf_counter()
+            request = self.pipeline.request(f"{tag}-{i}", document, (), options, state, arrival=started)
+            done = await self.engine.submit(request).finished()
+            t = done.timings
+            return EngineRun(time.perf_counter() - started, t.ttft_ms, t.generated_tokens,
+                             t.draft_proposed, t.draft_accepted, t.draft_rounds)
+
+        if concurrent:
+            return list(await asyncio.gather(*(one(i, d, s) for i, (d, s) in enumerate(documents))))
+        return [await one(i, d, s) for i, (d, s) in enumerate(documents)]
 
 
-THREADS = EngineConfig()  # the bench's --threads / --decode-threads (set in main)
+class BenchSettings(msgspec.Struct):
+    threads: int = 0
+    decode_threads: int = 0
+    context: int = 1024
 
 
-def engine_for(target: LoadedModel, draft: LoadedModel | None, draft_on: bool, ngram: bool,
-               prefix_cache: bool = True) -> Engine:
-    spec = SpecConfig(draft_model=draft_on, ngram=ngram, max_batch=64)
-    config = EngineConfig(prefix_cache=prefix_cache, kv_cache_mb=512, max_running=64,
-                          prefill_chunk=16384, deadline_ms=600_000, threads=THREADS.threads,
-                          decode_threads=THREADS.decode_threads)
-    return Engine.build(target, draft if draft_on else None, config, spec)
+THREADS_AND_CONTEXT = BenchSettings()  # set in main_async
 
 
 SPEC_VARIANTS = (("engine_nospec", False, False), ("engine_draft", True, False),
@@ -150,9 +155,9 @@ def spec_note(r: dict) -> str:
 
 
 async def main_async(args) -> dict:
-    global THREADS
+    global THREADS_AND_CONTEXT
     args.precision = resolve_precision(args.precision)
-    THREADS = EngineConfig(threads=args.threads, decode_threads=args.decode_threads)
+    THREADS_AND_CONTEXT = BenchSettings(args.threads, args.decode_threads, args.context)
     # Torch work off the engine's thread runs on threads that end (run_in_passing_thread):
     # a live second OpenMP team would slow the engine's.
     target, draft = run_in_passing_thread(load_models, args.target, args.draft, args.precision)
@@ -161,11 +166,13 @@ async def main_async(args) -> dict:
     hf_draft = draft.directory if draft is not None and not draft.model.config.embedding_from_target else None
     hf_variants = ("plain", "assisted", "prompt_lookup") if hf_draft else ("plain", "prompt_lookup")
     torch.set_num_threads(args.threads)
-    builder = target.prompt_builder(args.context - 64)
+    builder = CompletionPipeline(target, Config(model=ModelSection(context_tokens=args.context))).document().builder
     eos = builder.stop_ids
     picked = cases(args.prompts, args.seed)
-    prompts = [(builder.build(c.prefix, c.suffix, c.path).tokens, c) for c in picked]
-    results: dict = {"prompts": len(prompts), "context_tokens": args.context, "precision": args.precision,
+    # HF gets the prompt the pipeline builds, whole (it has no token healing).
+    hf_prompts = [builder.build(d.prefix, d.suffix, display_path(d.uri)).tokens for d in picked]
+    fresh = [(d, None) for d in picked]
+    results: dict = {"prompts": len(picked), "context_tokens": args.context, "precision": args.precision,
                      "threads": args.threads,
                      "decode_threads": args.decode_threads or args.threads}  # as EngineCore resolves it
     rows: list[tuple[str, str, str]] = []
@@ -191,13 +198,11 @@ async def main_async(args) -> dict:
     #    cache): HF generate variants vs our engine, the same work on both.
     for mode, max_new in (("line", 48), ("block", 96)):
         for variant in hf_variants:
-            hf_rows(f"hf_{variant}_{mode}", [p for p, _ in prompts], mode == "line", max_new, variant)
+            hf_rows(f"hf_{variant}_{mode}", hf_prompts, mode == "line", max_new, variant)
         for name, draft_on, ngram in variants:
-            engine = engine_for(target, draft, draft_on, ngram, prefix_cache=False)
-            engine.start()
-            params = SamplingParams(max_tokens=max_new, mode=mode)
-            runs = await engine_requests(engine, prompts, params, False, f"{name}-{mode}")
-            engine.stop()
+            served = Served(target, draft, draft_on, ngram, prefix_cache=False)
+            runs = await served.run(fresh, RequestOptions(max_tokens=max_new, mode=mode), False, f"{name}-{mode}")
+            served.stop()
             results[f"{name}_{mode}"] = {"median_ms": median([r.seconds for r in runs]) * 1000,
                                          "tokens": sum(r.generated for r in runs), **speculation(runs)}
         ratio_rows(f"_{mode}", f"hf_plain_{mode}", f"cold {mode}")
@@ -206,23 +211,17 @@ async def main_async(args) -> dict:
     #    keystroke is cached (as the engine keeps it when serving), then one more
     #    typed character asks for the rest of the line. HF generate has no
     #    cache across calls, so it prefills the whole prompt again.
-    typed = []
-    for c in picked:
-        doc = DocumentPrompt(builder)
-        before = doc.update(c.prefix[:-1], c.suffix, c.path).tokens
-        typed.append((before, doc.update(c.prefix, c.suffix, c.path).tokens, c))
     for variant in ("plain", "prompt_lookup"):
-        hf_rows(f"hf_{variant}_keystroke", [p for _, p, _ in typed], True, 48, variant)
+        hf_rows(f"hf_{variant}_keystroke", hf_prompts, True, 48, variant)
     for name, draft_on, ngram in variants:
-        engine = engine_for(target, draft, draft_on, ngram, prefix_cache=True)
-        engine.start()
+        served = Served(target, draft, draft_on, ngram, prefix_cache=True)
         runs = []
-        for i, (before, after, case) in enumerate(typed):
-            await engine_requests(engine, [(before, case)], SamplingParams(max_tokens=1, mode="line"), False,
-                                  f"{name}-prev{i}")
-            runs += await engine_requests(engine, [(after, case)], SamplingParams(max_tokens=48, mode="line"),
-                                          False, f"{name}-key{i}")
-        engine.stop()
+        for i, d in enumerate(picked):
+            state = served.pipeline.document()
+            before = msgspec.structs.replace(d, prefix=d.prefix[:-1])
+            await served.run([(before, state)], RequestOptions(max_tokens=1), False, f"{name}-prev{i}")
+            runs += await served.run([(d, state)], RequestOptions(max_tokens=48), False, f"{name}-key{i}")
+        served.stop()
         results[f"{name}_keystroke"] = {"median_ms": median([r.seconds for r in runs]) * 1000,
                                         "tokens": sum(r.generated for r in runs), **speculation(runs)}
     ratio_rows("_keystroke", "hf_plain_keystroke", "keystroke line")
@@ -231,30 +230,29 @@ async def main_async(args) -> dict:
     # alternating off and on `repeats` times (the machine's speed drifts), medians.
     # One engine alive at a time: two engine threads are two OpenMP teams, and
     # with more team threads than cores libgomp slows every parallel region.
-    variants = {"nospec": (False, False), "spec": (True, True)}
-    params = SamplingParams(max_tokens=64, mode="free")
+    spec_flags = {"nospec": (False, False), "spec": (True, True)}
+    free64 = RequestOptions(max_tokens=64, mode="free")
     for batch in args.batches:
         # Every prompt at least once, in groups of `batch` running together.
-        groups = max(1, len(prompts) // batch)
-        cycled = prompts * (groups * batch // len(prompts) + 1)
-        rates: dict[str, list[float]] = {name: [] for name in variants}
-        runs: dict[str, list[EngineRun]] = {name: [] for name in variants}
+        groups = max(1, len(fresh) // batch)
+        cycled = fresh * (groups * batch // len(fresh) + 1)
+        rates: dict[str, list[float]] = {name: [] for name in spec_flags}
+        runs: dict[str, list[EngineRun]] = {name: [] for name in spec_flags}
         for rep in range(args.repeats):
-            for name, flags in variants.items():
-                engine = engine_for(target, draft, *flags, prefix_cache=False)
-                engine.start()
+            for name, flags in spec_flags.items():
+                served = Served(target, draft, *flags, prefix_cache=False)
                 tokens, decode_s = 0, 0.0
                 for g in range(groups):
                     started = time.perf_counter()
-                    group = await engine_requests(engine, cycled[g * batch: (g + 1) * batch], params, True,
-                                                  f"tp{batch}{name}{rep}-{g}")
+                    group = await served.run(cycled[g * batch: (g + 1) * batch], free64, True,
+                                             f"tp{batch}{name}{rep}-{g}")
                     wall = time.perf_counter() - started
                     decode_s += max(wall - median([r.ttft_ms for r in group]) / 1000, 1e-9)
                     tokens += sum(r.generated for r in group)
                     runs[name] += group
-                engine.stop()
+                served.stop()
                 rates[name].append(tokens / decode_s)
-        for name in variants:
+        for name in spec_flags:
             results[f"decode_b{batch}_{name}"] = {"tok_per_s": median(rates[name]), "repeats": rates[name],
                                                   **speculation(runs[name])}
         on, off = results[f"decode_b{batch}_spec"], results[f"decode_b{batch}_nospec"]
@@ -265,11 +263,10 @@ async def main_async(args) -> dict:
 
     # 4. Warm keystroke vs cold prefill at 512 / 2k / 8k-token prompts.
     text = "".join(f.text for f in heldout_files()[1])
+    one = RequestOptions(max_tokens=1, mode="free")
     for size in args.ttft_sizes:
-        doc = DocumentPrompt(target.prompt_builder(size))
-        engine = engine_for(target, draft, False, False)
-        engine.start()
-        one = SamplingParams(max_tokens=1, mode="free")
+        served = Served(target, draft, False, False, context=size + RequestSection().max_tokens)
+        state = served.pipeline.document()
         cold, warm = [], []
         for rep in range(args.repeats):
             # Each repeat's cursor far from the others': nothing of its window is
@@ -277,13 +274,11 @@ async def main_async(args) -> dict:
             # otherwise find the previous repeat's prefix).
             cut = text.rfind("\n", 0, len(text) * (rep + 1) // (args.repeats + 1)) + 1
             prefix = text[:cut]
-            base = doc.update(prefix, text[cut:], "big.py").tokens
-            r = (await engine_requests(engine, [(base, picked[0])], one, False, f"cold{size}-{rep}"))[0]
-            cold.append(r.seconds)
-            typed = doc.update(prefix + "x", text[cut:], "big.py").tokens
-            r = (await engine_requests(engine, [(typed, picked[0])], one, False, f"warm{size}-{rep}"))[0]
-            warm.append(r.seconds)
-        engine.stop()
+            base = Document("file:///big.py", prefix, text[cut:])
+            cold.append((await served.run([(base, state)], one, False, f"cold{size}-{rep}"))[0].seconds)
+            typed = msgspec.structs.replace(base, prefix=prefix + "x")
+            warm.append((await served.run([(typed, state)], one, False, f"warm{size}-{rep}"))[0].seconds)
+        served.stop()
         results[f"ttft_{size}"] = {"cold_ms": median(cold) * 1000, "warm_ms": median(warm) * 1000}
         rows.append((f"TTFT at {size} tokens", f"cold {median(cold) * 1000:.1f} / warm {median(warm) * 1000:.1f} ms",
                      f"{median(cold) / median(warm):.1f}x warm"))
@@ -294,21 +289,16 @@ async def main_async(args) -> dict:
     for size in args.file_sizes:
         file_text = target.tokenizer.decode(ids[:size])
         cursor = file_text.rfind("\n", 0, len(file_text) * 3 // 4) + 1
-        doc = DocumentPrompt(target.prompt_builder(args.context - 64))
-        engine = engine_for(target, draft, False, False)
-        engine.start()
+        served = Served(target, draft, False, False)
+        state = served.pipeline.document()
         times = []
-        one = SamplingParams(max_tokens=1, mode="free")
         prefix, suffix = file_text[:cursor], file_text[cursor:]
-        first = doc.update(prefix, suffix, "f.py").tokens
-        await engine_requests(engine, [(first, picked[0])], one, False, f"ks{size}-0")
+        await served.run([(Document("file:///f.py", prefix, suffix), state)], one, False, f"ks{size}-0")
         for i, ch in enumerate("    value = compute(x)"):
             prefix += ch
-            started = time.perf_counter()
-            tokens = doc.update(prefix, suffix, "f.py").tokens
-            await engine_requests(engine, [(tokens, picked[0])], one, False, f"ks{size}-{i + 1}")
-            times.append(time.perf_counter() - started)
-        engine.stop()
+            r = await served.run([(Document("file:///f.py", prefix, suffix), state)], one, False, f"ks{size}-{i + 1}")
+            times.append(r[0].seconds)
+        served.stop()
         per_size[size] = median(times) * 1000
         results[f"keystroke_{size}"] = {"median_ms": per_size[size]}
     small, large = min(per_size), max(per_size)

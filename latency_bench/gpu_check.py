@@ -161,25 +161,25 @@ def check_kernels() -> dict:
 
 def check_verify_pass(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> dict:
     """A speculative verify pass (1 to 9 new tokens per row) through the engine's
-    KernelBatch against its gather + SDPA PagedBatch, on the same pool."""
-    from completer.engine.decode_graph import KernelBatch
-    from completer.engine.paged_kv import KVPool, PagedBatch
+    Triton backend against its gather + SDPA torch backend, on the same pool."""
+    from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention
+    from completer.engine.paged_kv import KVPool
 
     cfg = msgspec.structs.replace(CFG, num_hidden_layers=1)
-    B, T = len(lens), 9
-    num_new = [min(1 + i % T, int(n)) for i, n in enumerate(lens)]
-    positions = torch.stack([torch.arange(int(n) - k, int(n) - k + T).clamp(max=int(n) - 1)
-                             for n, k in zip(lens, num_new)])
+    B = len(lens)
+    num_new = [min(1 + i % 9, int(n)) for i, n in enumerate(lens)]
+    T = max(num_new)
     rows = [r.tolist() for r in tables.cpu()]
     q = randn(B, cfg.num_attention_heads, T, cfg.head_dim, dtype=torch.float32)
     k, v = (randn(B, cfg.num_key_value_heads, T, cfg.head_dim, dtype=torch.float32) for _ in range(2))
+    meta = AttentionMetadata.build(rows, [int(n) - k for n, k in zip(lens, num_new)], num_new, bs, DEV)
     outs = []
-    for backend in (PagedBatch, KernelBatch):
+    for backend in (TorchAttention, TritonAttention):
         pool = KVPool(cfg, int(tables.max()) + 1, bs, device=DEV)
         torch.manual_seed(0)
         pool.k.normal_()
         pool.v.normal_()
-        outs.append(backend(pool, rows, positions, num_new).attend(0, q, k, v, positions.to(DEV)))
+        outs.append(backend(pool, meta).attend(0, q, k, v, meta.positions))
     valid = (torch.arange(T)[None, :] < torch.tensor(num_new)[:, None]).to(DEV)
     err = float((outs[1] - outs[0]).transpose(1, 2)[valid].abs().max())
     ROWS.append(("correctness", f"verify pass (1-{T} new tokens per row) kernel vs gather",
@@ -229,27 +229,33 @@ def gemm_throughput() -> dict:
 
 # -- 3. decode step against the bandwidth floor ---------------------------------------
 
-class StaticPagedBackend:
-    """A paged pool whose block tables never change, so a decode step (write
-    the new K/V at its slot, attend with the Triton kernel) captures in a graph."""
+def production_step(model: Transformer, batch: int, context: int, graphs: bool):
+    """One plain decode step as the engine runs it: the model runner builds the
+    pass's attention metadata and runs the Triton backend, or replays its CUDA
+    graph; every row sits at `context` tokens (its new token's K/V is written
+    over at each call)."""
+    from completer.engine.block_manager import BlockManager
+    from completer.engine.model_runner import ModelRunner
+    from completer.engine.paged_kv import KVPool
+    from completer.engine.sequence import CacheState
 
-    def __init__(self, cfg: ModelConfig, batch: int, context: int, block_size: int = 16):
-        width = -(-context // block_size)
-        shape = (cfg.num_hidden_layers, (batch * width + 1) * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k, self.v = randn(*shape, dtype=torch.float32), randn(*shape, dtype=torch.float32)
-        self.tables = (torch.randperm(batch * width) + 1).view(batch, width).int().to(DEV)
-        self.lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
-        self.bs = block_size
+    bs = 16
+    pool = KVPool(model.config, batch * -(-context // bs) + 2, bs, device=DEV)
+    pool.k.normal_()
+    pool.v.normal_()
+    runner = ModelRunner(model, pool, "triton", cuda_graphs=graphs)
+    blocks = BlockManager(pool.num_blocks, bs, prefix_cache=False)
+    states = [CacheState() for _ in range(batch)]
+    for state in states:
+        blocks.grow(state.table, context)
+    rows = [[int(t)] for t in torch.randint(1, model.config.vocab_size, (batch,))]
 
-    def attend(self, layer, q, k, v, positions):
-        pos = positions[:, 0]
-        slot = self.tables.gather(1, (pos // self.bs)[:, None])[:, 0].long() * self.bs + pos % self.bs
-        self.k[layer].index_copy_(0, slot, k[:, :, 0].float())
-        self.v[layer].index_copy_(0, slot, v[:, :, 0].float())
-        self.lens.copy_(pos + 1)
-        out = paged_decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self.tables, self.lens, self.bs,
-                                     partition=8 if DRY else 512, tile=4 if DRY else 64)
-        return out[:, :, None]
+    def step() -> None:
+        for state in states:
+            state.computed = context - 1
+        runner.execute(states, rows, last_only=True)
+
+    return step
 
 
 def copy_bandwidth() -> float:
@@ -290,13 +296,9 @@ def decode_step() -> dict:
             quantize_linears(model)
         floor_ms = weight_bytes(model) / bw * 1e3
         for batch in ((1, 2) if DRY else (1, 8)):
-            backend = StaticPagedBackend(CFG, batch, context)
-            tokens = torch.randint(1, CFG.vocab_size, (batch, 1), device=DEV)
-            positions = torch.full((batch, 1), context - 1, device=DEV)
-            step = lambda: model(tokens, positions, backend)  # noqa: E731
             with torch.inference_mode():
-                eager = timed(step, reps=REPS)
-                graph = graphed_ms(step) if CUDA else None
+                eager = timed(production_step(model, batch, context, graphs=False), reps=REPS)
+                graph = timed(production_step(model, batch, context, graphs=True), reps=REPS * 2) if CUDA else None
             best = graph or eager
             kv_bytes = 2 * CFG.num_hidden_layers * batch * context * kv * 4
             out[f"{precision}_b{batch}"] = {
@@ -308,64 +310,49 @@ def decode_step() -> dict:
     return out
 
 
-def graphed_ms(step) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: Triton compiles, Fp8Linear picks its GEMMs
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return timed(graph.replay, reps=REPS * 2)
-
-
 # -- 4. engine tok/s with the default models ------------------------------------------
 
-async def engine_run(target, draft, spec_on: bool, prompts: list[list[int]], max_tokens: int) -> dict:
+async def engine_run(target, draft, spec_on: bool, documents: list, max_tokens: int) -> dict:
+    from completer.config import Config, ModelSection, RequestSection
     from completer.engine.config import EngineConfig, SpecConfig
-    from completer.engine.core import Request
-    from completer.engine.engine import Engine
-    from completer.engine.sequence import SamplingParams
+    from completer.pipeline import LocalCompleter, RequestOptions
 
-    engine = Engine.build(target, draft if spec_on else None,
-                          EngineConfig(kv_cache_mb=256, deadline_ms=600_000),
-                          SpecConfig(draft_model=spec_on, ngram=spec_on))
-    engine.start()
-    params = SamplingParams(max_tokens=max_tokens, mode="free")
-    await engine.submit(Request("warm-up", prompts[0], params)).finished()  # compiles, GEMM choices
-    tokens, proposed, accepted, decode_ms = 0, 0, 0, 0.0
-    started = time.perf_counter()
-    for i, prompt in enumerate(prompts):  # batch 1, one after another
-        t = (await engine.submit(Request(f"r{i}", prompt, params)).finished()).timings
-        tokens += t.generated_tokens
-        proposed += t.draft_proposed
-        accepted += t.draft_accepted
-        decode_ms += t.total_ms - t.ttft_ms
-    wall = time.perf_counter() - started
-    engine.stop()
-    return {"tok_per_s": tokens / wall, "decode_tok_per_s": (tokens - len(prompts)) / max(decode_ms / 1e3, 1e-9),
+    config = Config(model=ModelSection(context_tokens=(128 if DRY else 768) + 64),
+                    engine=EngineConfig(kv_cache_mb=256), spec=SpecConfig(draft_model=spec_on, ngram=spec_on),
+                    request=RequestSection(deadline_ms=600_000))
+    options = RequestOptions(max_tokens=max_tokens, mode="free")
+    async with LocalCompleter(target, draft if spec_on else None, config) as completer:
+        await completer.stream(documents[0], options=options).finished()  # compiles, GEMM choices
+        tokens, proposed, accepted, decode_ms = 0, 0, 0, 0.0
+        started = time.perf_counter()
+        for document in documents:  # batch 1, one after another
+            t = (await completer.stream(document, options=options).finished()).timings
+            tokens += t.generated_tokens
+            proposed += t.draft_proposed
+            accepted += t.draft_accepted
+            decode_ms += t.total_ms - t.ttft_ms
+        wall = time.perf_counter() - started
+    return {"tok_per_s": tokens / wall, "decode_tok_per_s": (tokens - len(documents)) / max(decode_ms / 1e3, 1e-9),
             "tokens": tokens, "acceptance": accepted / proposed if proposed else None}
 
 
 def engine_tok_s() -> dict:
     from completer.loading import load
     from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
+    from completer.protocol import Document
 
     out = {}
     sources = sorted((ROOT / "completer").rglob("*.py"))[: 1 if DRY else 8]
     for precision in ("bf16", "fp8"):
         target = load(EMBEDDED_TARGET, precision, device=str(DEV))
         draft = load(EMBEDDED_DRAFT, precision, device=str(DEV))
-        builder = target.prompt_builder(128 if DRY else 768)
-        prompts = []
+        documents = []
         for path in sources:
             text = path.read_text()
             cut = text.find("\n", len(text) // 2) + 1
-            prompts.append(builder.build(text[:cut], text[cut:], path.name).tokens)
+            documents.append(Document(path.as_uri(), text[:cut], text[cut:]))
         for spec_on in (False, True):
-            r = asyncio.run(engine_run(target, draft, spec_on, prompts, 6 if DRY else 64))
+            r = asyncio.run(engine_run(target, draft, spec_on, documents, 6 if DRY else 64))
             out[f"{precision}_spec_{'on' if spec_on else 'off'}"] = r
         off, on = out[f"{precision}_spec_off"], out[f"{precision}_spec_on"]
         ROWS.append(("engine", f"default models {precision}, batch 1, spec off -> on",

@@ -8,14 +8,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton decode path runs on CPU in tests
 
+import msgspec
 import pytest
 import torch
 
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.core import EngineCore, EngineError, Finished, Request
-from completer.engine.model_runner import CachedModel
-from completer.engine.sequence import SamplingParams
+from completer.engine.core import EngineCore
 from completer.engine.engine import Engine
+from completer.engine.request import EngineError, Finished, Request, SamplingParams
 from completer.model import ModelConfig, Transformer
 from completer.tokenizer import train_bpe
 
@@ -46,11 +46,16 @@ def models():
 def make_core(models, tokenizer, draft="other", blocks=400, config=None, spec=None, bs=4, kernel=False):
     target, other = models
     config = config or EngineConfig(block_size=bs, prefill_chunk=64)
+    if kernel:
+        config = msgspec.structs.replace(config, paged_attention="triton")
     spec = spec or SpecConfig()
     drafter = {"other": other, "same": copy.deepcopy(target), "cut": cut_drafter(target), None: None}[draft]
-    t = CachedModel(target, blocks, bs, config.prefix_cache, paged_kernel=kernel)
-    d = CachedModel(drafter, blocks, bs, config.prefix_cache, paged_kernel=kernel) if drafter is not None else None
-    return EngineCore(t, d, tokenizer, [0], config, spec)
+    return EngineCore.build(target, drafter, tokenizer, [0], config, spec,
+                            num_blocks={"target": blocks, "draft": blocks})
+
+
+def usage(core, role="target"):
+    return core.kv.pools[role].usage()
 
 
 def cut_drafter(target):
@@ -122,7 +127,7 @@ def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, n
         assert 0 < t.draft_rounds <= t.draft_proposed
     if draft == "cut":  # it proposes only tokens of its head, and some are accepted
         assert sum(done[str(i)].timings.draft_accepted for i in range(len(ps))) > 0
-    assert core.target.blocks.usage() == 0
+    assert usage(core) == 0
 
 
 def test_sixteen_concurrent_equal_one_by_one(models, tokenizer):
@@ -151,7 +156,7 @@ def test_small_cache_evicts_and_stays_correct(models, tokenizer):
     done = run(small, [Request(str(i), p, free_mode(16)) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert done[str(i)].text == tokenizer.decode(greedy_reference(models, p, 16))
-    assert small.target.blocks.usage() == 0 and small.draft.blocks.usage() == 0
+    assert usage(small) == 0 and usage(small, "draft") == 0
 
 
 def test_cancel_frees_blocks(models, tokenizer):
@@ -161,14 +166,14 @@ def test_cancel_frees_blocks(models, tokenizer):
         core.add(Request(str(i), p, free_mode(40)))
     core.step()
     core.step()
-    assert core.target.blocks.usage() > 0
+    assert usage(core) > 0
     for i in range(4):
-        core.cancel(str(i))
+        core.abort(str(i))
     events = core.step()
     reasons = {e.id: e.reason for e in events if isinstance(e, Finished)}
     assert reasons == {str(i): "cancelled" for i in range(4)}
-    assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
-    assert all(c == 0 for c in core.target.blocks.ref_count)
+    assert usage(core) == 0 and usage(core, "draft") == 0
+    assert all(c == 0 for c in core.kv.pools["target"].ref_count)
 
 
 def test_deadline_and_length(models, tokenizer):
@@ -206,35 +211,35 @@ async def test_async_engine_streams_and_supersedes(models, tokenizer):
         assert len(deltas) >= 1
     finally:
         engine.stop()
-    assert engine.core.target.blocks.usage() == 0
+    assert usage(engine.core) == 0
 
 
 async def test_a_failing_step_ends_its_requests_as_internal_and_the_engine_goes_on(models, tokenizer):
     core = make_core(models, tokenizer)
     engine = Engine(core)
     engine.start()
-    decode, calls = core._decode, []
+    verify, calls = core._verify, []
 
-    def decode_that_fails_once(seqs):  # a fault injected into one step (nothing else is faked)
+    def verify_that_fails_once(seqs, proposals):  # a fault injected into one step (nothing else is faked)
         calls.append(len(seqs))
         if len(calls) == 1:
             raise RuntimeError("injected fault")
-        return decode(seqs)
+        return verify(seqs, proposals)
 
-    core._decode = decode_that_fails_once
+    core._verify = verify_that_fails_once
     try:
         p = prompts(2, seed=3)
         with pytest.raises(EngineError) as e:
             await asyncio.wait_for(engine.submit(Request("a", p[0], free_mode(30))).finished(), 30)
         assert e.value.code == "internal" and "RuntimeError: injected fault" in str(e.value)
-        assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
-        assert not core.running and not core.by_id
+        assert usage(core) == 0 and usage(core, "draft") == 0
+        assert not core.scheduler.running and not core.by_id
         # The engine thread lives on: the next request decodes to its length.
         after = await asyncio.wait_for(engine.submit(Request("b", p[1], free_mode(8))).finished(), 30)
         assert after.reason == "length" and after.timings.generated_tokens == 8
     finally:
         engine.stop()
-    assert len(calls) > 1 and core.target.blocks.usage() == 0
+    assert len(calls) > 1 and usage(core) == 0
 
 
 def test_token_healing_constrains_the_first_tokens(models, tokenizer):
@@ -256,7 +261,7 @@ def test_token_healing_constrains_the_first_tokens(models, tokenizer):
 @pytest.mark.parametrize("draft", [None, "other"])
 def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
     """The GPU decode path (static buffers, Triton paged attention reading the
-    block tables, padded batch buckets; verify passes through KernelBatch) on
+    block tables, padded batch buckets; verify passes through TritonAttention) on
     CPU under the Triton interpreter: the same greedy text as the gather +
     SDPA path, alone and three at once."""
     ps = prompts(3, seed=3)
@@ -268,9 +273,9 @@ def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
     assert {k: f.text for k, f in together.items()} == {k: f.text for k, f in want.items()}
     assert alone["0"].text == want["0"].text
     assert set(core.target.graphs.buckets) >= {4}  # 3 rows padded to a bucket of 4
-    if draft is not None:  # verify passes ran, through KernelBatch (widths <= k_max + 1)
+    if draft is not None:  # verify passes ran, through TritonAttention (widths <= k_max + 1)
         assert sum(f.timings.draft_rounds for f in together.values()) > 0
-    assert core.target.blocks.usage() == 0
+    assert usage(core) == 0
 
 
 def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer):
@@ -280,11 +285,11 @@ def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer)
     for batch in (1, 4):
         assert {w for b, w in core.policy.costs.target if b == batch} == widths
         assert core.policy.costs.draft[batch] > 0
-    assert core.target.blocks.usage() == 0 and core.draft.blocks.usage() == 0
+    assert usage(core) == 0 and usage(core, "draft") == 0
     # A pool too small to hold the dummy sequences: nothing timed, nothing held.
     tiny = make_core(models, tokenizer, blocks=8)
     tiny.calibrate(context=32, reps=1)
-    assert tiny.policy.costs.target == {} and tiny.target.blocks.usage() == 0
+    assert tiny.policy.costs.target == {} and usage(tiny) == 0
 
 
 def test_run_in_passing_thread_returns_and_raises_on_a_thread_that_ends():

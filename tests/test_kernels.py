@@ -12,8 +12,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from completer.engine.decode_graph import KernelBatch  # noqa: E402
-from completer.engine.paged_kv import KVPool, PagedBatch  # noqa: E402
+from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention  # noqa: E402
+from completer.engine.paged_kv import KVPool  # noqa: E402
 from completer.model import ModelConfig  # noqa: E402
 from completer_kernels.fp8_gemm import (expand_block_scales, fp8_gemm_blockwise,  # noqa: E402
                                         fp8_gemm_blockwise_torch, fp8_gemm_rowwise, fp8_gemm_rowwise_torch)
@@ -142,8 +142,8 @@ def test_paged_decode_attention(partition, tile, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_ATOL, rtol=rtol)
 
 
-def test_paged_attention_matches_paged_batch_decode_step():
-    """One decode step through the engine's PagedBatch: the kernel over the
+def test_paged_attention_matches_the_torch_backend_decode_step():
+    """One decode step through the engine's TorchAttention: the kernel over the
     pool it wrote gives the same attention output."""
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32,
                       intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
@@ -155,7 +155,9 @@ def test_paged_attention_matches_paged_batch_decode_step():
     tables = [[3, 7, 1], [5, 2, 9, 11], [0, 4]]  # block 0 is the scratch block elsewhere
     positions = torch.tensor([[9], [14], [4]])  # the new token of each row
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 1, 1, 8), torch.randn(3, 1, 1, 8)
-    expected = PagedBatch(pool, tables, positions, [1, 1, 1]).attend(0, q, k, v, positions)
+    meta = AttentionMetadata.build(tables, positions[:, 0].tolist(), [1, 1, 1], bs)
+    assert torch.equal(meta.positions, positions)
+    expected = TorchAttention(pool, meta).attend(0, q, k, v, positions)
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     lens = (positions[:, 0] + 1).int()
@@ -163,10 +165,10 @@ def test_paged_attention_matches_paged_batch_decode_step():
     torch.testing.assert_close(got, expected[:, :, 0], atol=ATTN_ATOL, rtol=0)
 
 
-def test_kernel_batch_matches_paged_batch_for_several_new_tokens():
+def test_triton_backend_matches_torch_backend_for_several_new_tokens():
     """A verify-like pass (rows of 3, 1 and 5 new tokens, padded to 5): the
-    kernel backend writes the same K/V slots and attends causally among the
-    new tokens as PagedBatch's gather + SDPA does."""
+    Triton backend writes the same K/V slots and attends causally among the
+    new tokens as the torch backend's gather + SDPA does."""
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32,
                       intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -181,8 +183,10 @@ def test_kernel_batch_matches_paged_batch_for_several_new_tokens():
         torch.manual_seed(1)
         pool.k.normal_()
         pool.v.normal_()
-    expected = PagedBatch(pools[0], tables, positions, num_new).attend(0, q, k, v, positions)
-    got = KernelBatch(pools[1], tables, positions, num_new).attend(0, q, k, v, positions)
+    meta = AttentionMetadata.build(tables, [p - n + 1 for p, n in zip(last, num_new)], num_new, bs)
+    assert torch.equal(meta.positions, positions)
+    expected = TorchAttention(pools[0], meta).attend(0, q, k, v, positions)
+    got = TritonAttention(pools[1], meta).attend(0, q, k, v, positions)
     valid = torch.arange(5)[None, :] < torch.tensor(num_new)[:, None]  # padding queries are ignored
     torch.testing.assert_close(got.transpose(1, 2)[valid], expected.transpose(1, 2)[valid], atol=ATTN_ATOL, rtol=0)
     torch.testing.assert_close(pools[1].k, pools[0].k, atol=0, rtol=0)  # same slots written

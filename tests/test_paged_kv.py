@@ -1,10 +1,13 @@
-"""Paged KV through block tables: reused cache == cold prefill; block accounting."""
+"""Paged KV through block tables: reused cache == cold prefill; block
+accounting; the prefix cache never serves blocks of other tokens."""
 
 import pytest
 import torch
 
+from completer.engine import block_manager
+from completer.engine.attention import AttentionMetadata, TorchAttention
 from completer.engine.block_manager import BlockManager, OutOfBlocks
-from completer.engine.paged_kv import KVPool, PagedBatch
+from completer.engine.paged_kv import KVPool
 from completer.model import ModelConfig, Transformer
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=32,
@@ -24,18 +27,17 @@ def model():
 def prefill(model, pool, manager, tokens, chunk=None):
     """Match cached blocks, compute the rest (in chunks), publish; returns
     (table, cached tokens, logits of the computed tokens)."""
-    table = manager.match_prefix(tokens)
+    table, chain = manager.match_prefix(tokens)
     done = cached = len(table) * BS
     manager.grow(table, len(tokens))
     outs = []
     while done < len(tokens):
         n = min(chunk or len(tokens), len(tokens) - done)
-        pos = torch.arange(done, done + n)[None]
-        batch = PagedBatch(pool, [table], pos, [n])
+        meta = AttentionMetadata.build([table], [done], [n], BS)
         with torch.no_grad():
-            outs.append(model(torch.tensor([tokens[done: done + n]]), pos, batch))
+            outs.append(model(torch.tensor([tokens[done: done + n]]), meta.positions, TorchAttention(pool, meta)))
         done += n
-        manager.register(table, tokens, done)
+        manager.publish(table, chain, tokens, done)
     return table, cached, torch.cat(outs, dim=1)
 
 
@@ -63,9 +65,9 @@ def test_batched_decode_matches_single(model):
     nxt = [11, 22, 33]
     for t, p in zip(tables, prompts):
         manager.grow(t, len(p) + 1)
-    pos = torch.tensor([[len(p)] for p in prompts])
+    meta = AttentionMetadata.build(tables, [len(p) for p in prompts], [1, 1, 1], BS)
     with torch.no_grad():
-        got = model(torch.tensor([[x] for x in nxt]), pos, PagedBatch(pool, tables, pos, [1, 1, 1]))
+        got = model(torch.tensor([[x] for x in nxt]), meta.positions, TorchAttention(pool, meta))
         for b, p in enumerate(prompts):
             want = model(torch.tensor([p + [nxt[b]]]))[:, -1]
             assert (got[b, -1] - want).abs().max() <= 1e-5
@@ -74,9 +76,9 @@ def test_batched_decode_matches_single(model):
 def test_release_returns_every_block_and_lru_eviction():
     manager = BlockManager(9, BS)  # 8 usable blocks
     a = list(range(100, 117))  # 17 tokens -> 5 blocks
-    ta = manager.match_prefix(a)
+    ta, chain = manager.match_prefix(a)
     manager.grow(ta, len(a))
-    manager.register(ta, a, len(a))
+    manager.publish(ta, chain, a, len(a))
     assert manager.num_free == 3
     manager.release(ta)
     assert manager.num_free == 8 and manager.num_cached_free == 4
@@ -84,10 +86,10 @@ def test_release_returns_every_block_and_lru_eviction():
     # A different prompt needing 6 blocks recycles never-used ones first, then the
     # cached leaves; the shared root of `a` survives longest.
     b = list(range(200, 221))
-    tb = manager.match_prefix(b)
+    tb, _ = manager.match_prefix(b)
     manager.grow(tb, len(b))
     assert manager.num_cached_free == 2
-    assert manager.match_prefix(a) == ta[:2]
+    assert manager.match_prefix(a)[0] == ta[:2]
     with pytest.raises(OutOfBlocks):
         manager.grow(tb, len(b) + 5 * BS)
 
@@ -99,3 +101,20 @@ def test_truncate_drops_rejected_blocks():
     assert len(t) == 3
     manager.truncate(t, 5)
     assert len(t) == 2 and manager.num_free == 6
+
+
+def test_a_digest_collision_never_serves_other_tokens(monkeypatch):
+    """Every key hashes alike: a lookup finds a block published under another
+    key and must refuse it (the cache then starts cold), not serve its K/V."""
+    monkeypatch.setattr(block_manager, "block_digest", lambda key: 42)
+    manager = BlockManager(16, BS)
+    a = list(range(100, 109))
+    ta, chain = manager.match_prefix(a)
+    manager.grow(ta, len(a))
+    manager.publish(ta, chain, a, len(a))
+    assert len(chain) == 1  # the first block is published; the second's digest is taken
+    manager.release(ta)
+    b = list(range(200, 209))  # other tokens, the same digest
+    assert manager.match_prefix(b) == ([], [])
+    assert manager.match_prefix(a)[0] == ta[:1]  # the right tokens still match
+

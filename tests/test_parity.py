@@ -1,12 +1,16 @@
 """Our runtime against transformers on random-weight Llama and Qwen2 checkpoints:
-prefill, then one-token decode steps through the KV cache, fp32 logits."""
+prefill, then one-token decode steps through the engine's paged KV pool and
+model runner, fp32 logits."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from completer.checkpoint import load_model
-from completer.kv import StaticKVCache
+from completer.engine.block_manager import BlockManager
+from completer.engine.model_runner import ModelRunner
+from completer.engine.paged_kv import KVPool
+from completer.engine.sequence import CacheState
 
 SMALL = dict(vocab_size=211, hidden_size=64, intermediate_size=136, num_hidden_layers=3,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
@@ -46,12 +50,13 @@ def test_logits_match_transformers(case, tmp_path):
         full = torch.cat([prompt, steps], dim=1)
         expected = reference(full).logits
 
-        cache = StaticKVCache(ours.config, batch=2, max_len=64)
-        positions = torch.arange(prompt.shape[1]).expand(2, -1)
-        got = [ours(prompt, positions, cache)]
+        runner = ModelRunner(ours, KVPool(ours.config, 32, 4))
+        blocks, states = BlockManager(32, 4), [CacheState(), CacheState()]
+        for state in states:
+            blocks.grow(state.table, full.shape[1])
+        got = [runner.execute(states, prompt.tolist())]
         for i in range(steps.shape[1]):
-            pos = torch.full((2, 1), prompt.shape[1] + i)
-            got.append(ours(steps[:, i:i + 1], pos, cache))
+            got.append(runner.execute(states, steps[:, i:i + 1].tolist()))
         got = torch.cat(got, dim=1)
     assert got.shape == expected.shape
     diff = (got - expected).abs().max().item()

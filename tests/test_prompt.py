@@ -283,9 +283,7 @@ def test_prefix_template_is_detected_and_lays_out_the_prefix_alone(plain_tok, do
 
 def test_prefix_template_keystrokes_keep_the_window_and_heal_the_cursor(plain_tok, doc, files):
     from completer.document import DocumentPrompt
-    from completer.engine.core import request_for
-    from completer.engine.sequence import SamplingParams
-    from completer.healing import TokenHealer
+    from completer.healing import back_off
 
     prefix, suffix = doc
     typed = files[1][7].text[5000:5200]
@@ -301,6 +299,5 @@ def test_prefix_template_keystrokes_keep_the_window_and_heal_the_cursor(plain_to
         assert plain_tok.decode(prompts[k].tokens[1:]) == (prefix + typed[:k])[prompts[k].window.prefix_start:]
     # The prompt ends with the prefix: its last token is backed off and re-spelled.
     last = prompts[-1]
-    request = request_for("r", last, prefix + typed, suffix, SamplingParams(), TokenHealer(plain_tok), "prefix")
-    assert request.prompt == last.tokens[:-1] and request.heal == plain_tok.token_bytes(last.tokens[-1])
-    assert request.suffix == suffix[: len(request.suffix)] and request.suffix
+    tokens, heal = back_off(plain_tok, last.tokens, last.prefix_tokens)
+    assert tokens == last.tokens[:-1] and heal == plain_tok.token_bytes(last.tokens[-1])

@@ -8,9 +8,8 @@ import torch
 
 from completer.document import DocumentPrompt
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.core import EngineCore, Finished, Request
-from completer.engine.model_runner import CachedModel
-from completer.engine.sequence import SamplingParams
+from completer.engine.core import EngineCore
+from completer.engine.request import Finished, Request, SamplingParams
 from completer.healing import TokenHealer
 from completer.model import ModelConfig, Transformer
 from completer.prompt import PromptBuilder, get_template
@@ -66,8 +65,8 @@ def test_engine_streams_the_text_of_its_tokens(tk):
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     model.init_weights(0.3)
-    core = EngineCore(CachedModel(model, 64, 16), None, tk, [], EngineConfig(block_size=16),
-                      SpecConfig(ngram=False, draft_model=False))
+    core = EngineCore.build(model, None, tk, [], EngineConfig(block_size=16),
+                            SpecConfig(ngram=False, draft_model=False), num_blocks={"target": 64})
     prompt = tk.encode(CODE[:200])
     core.add(Request("r", prompt, SamplingParams(max_tokens=40, mode="free")))
     seq, streamed, done = core.by_id["r"], "", None

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from completer.engine.spec_policy import PROBE_EVERY, Acceptance, SpecPolicy, expected_tokens
-from completer.engine.speculative import NgramIndex, accept_sampled
+from completer.engine.proposers import NgramIndex
+from completer.engine.rejection_sampler import accept_sampled
 
 N = 20_000
 
@@ -66,20 +67,20 @@ def test_policy_speculates_only_when_it_pays():
     for _ in range(30):
         policy.observe(good, "draft", 4, 4)
         policy.observe(poor, "draft", 4, 0)
-    source, k = policy.choose(good, 1, 0, True, 64)
+    source, k = policy.choose(good, 1, {"draft": 64}, 64)
     assert source == "draft" and k >= 4
     # A drafter that is always wrong costs time: plain decoding, then a 1-token probe.
-    picks = [policy.choose(poor, 1, 0, True, 64) for _ in range(PROBE_EVERY)]
+    picks = [policy.choose(poor, 1, {"draft": 64}, 64) for _ in range(PROBE_EVERY)]
     assert picks[:-1] == [(None, 0)] * (PROBE_EVERY - 1) and picks[-1] == ("draft", 1)
     # N-gram proposals cost no drafter steps: worth a try at a lower acceptance.
     for _ in range(30):
         policy.observe(poor, "ngram", 4, 1)
-    assert policy.choose(poor, 1, 6, True, 64)[0] == "ngram"
+    assert policy.choose(poor, 1, {"ngram": 6, "draft": 64}, 64)[0] == "ngram"
     # Never past the token budget; the fixed rule when not adaptive.
-    assert policy.choose(good, 1, 0, True, 2)[1] <= 2
+    assert policy.choose(good, 1, {"draft": 2}, 2)[1] <= 2
     fixed = SpecPolicy(k_init=3, k_max=8, adaptive=False)
-    assert fixed.choose(fixed.new_state(), 1, 0, True, 64) == ("draft", 3)
-    assert fixed.choose(fixed.new_state(), 1, 5, True, 64) == ("ngram", 3)
+    assert fixed.choose(fixed.new_state(), 1, {"draft": 64}, 64) == ("draft", 3)
+    assert fixed.choose(fixed.new_state(), 1, {"ngram": 5, "draft": 64}, 64) == ("ngram", 3)
 
 
 def test_new_sequences_start_from_the_engine_wide_acceptance():

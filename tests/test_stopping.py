@@ -3,7 +3,7 @@ UTF-8 never split, and deltas that always concatenate to the final text."""
 
 import pytest
 
-from completer.engine.stopping import OutputText, block_end, repetition_start
+from completer.engine.stopping import OutputText, block_end, line_mode_end, repetition_start
 
 
 def stream(pieces: list[bytes], mode="line", stop=(), cursor_line="", suffix=""):
@@ -86,3 +86,9 @@ def test_token_healing_bytes_are_not_output():
     out.add(2)
     out.finish()
     assert out.text == "return x"
+
+
+@pytest.mark.parametrize("text, end", [
+    ("return x\n    y", 8), ("\n    return 1\nfoo", 13), ("  \n\n", None), ("abc", None)])
+def test_line_mode_end(text, end):
+    assert line_mode_end(text) == end

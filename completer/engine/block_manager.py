@@ -1,33 +1,35 @@
-"""Bookkeeping of a paged KV pool: block tables, reference counts, prefix cache.
+"""Bookkeeping of one paged KV pool: block tables, reference counts, prefix cache.
 
 A block holds the K/V of `block_size` consecutive tokens. Once a block is full
-and its K/V computed, it is registered under a chained hash (hash of the
-parent block's hash and its own tokens), so any later sequence that starts
-with the same tokens reuses it (vLLM's automatic prefix caching). A block
-nobody references stays cached on an LRU list and is only recycled when a new
-block is needed and no never-used block is left: each editor session's last
-prompt stays warm until memory runs short.
+and its K/V computed, it is published under its key: (the identity of the
+block before it, its own tokens), so a later sequence that starts with the
+same tokens reuses it (vLLM's automatic prefix caching). The key is looked up
+by a 64-bit digest, and every hit is checked against the stored key, so a
+digest collision can never serve another prompt's K/V. The identity of a
+published block is a serial number, never reused: blocks computed after a
+parent that was since evicted can no longer be matched.
 
-The bookkeeping is plain Python over block ids; the K/V tensors live in
-`paged_kv.KVPool`. Block 0 is reserved as a scratch slot for padding.
+A block nobody references stays cached on an LRU list and is only recycled
+when a new block is needed and no never-used block is left: each editor
+session's last prompt stays warm until memory runs short.
+
+Plain Python over block ids; the K/V tensors live in `paged_kv.KVPool`.
+Block 0 is reserved as a scratch slot for padding.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block's serial, 0 for the first; the block's tokens)
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left (every block is referenced)."""
 
 
-def chain_hashes(tokens: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """The chained hash of each full block of `tokens`."""
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start: start + block_size])))
-        hashes.append(parent)
-    return hashes
+def block_digest(key: BlockKey) -> int:
+    return hash(key)
 
 
 class BlockManager:
@@ -38,8 +40,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.key: list[BlockKey | None] = [None] * num_blocks  # of a published block
+        self.serial = [0] * num_blocks
+        self.next_serial = 1
+        self.cached: dict[int, int] = {}  # digest of a key -> block id
         # Unreferenced blocks, least recently used first. Never-used blocks come
         # first of all, so cached K/V is recycled only when nothing else is left.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
@@ -51,7 +55,7 @@ class BlockManager:
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold reusable K/V."""
-        return sum(1 for b in self.free if self.block_hash[b] is not None)
+        return sum(1 for b in self.free if self.key[b] is not None)
 
     def usage(self) -> float:
         """Share of usable blocks referenced by running sequences."""
@@ -61,9 +65,9 @@ class BlockManager:
         if not self.free:
             raise OutOfBlocks("KV cache full: every block is in use")
         block, _ = self.free.popitem(last=False)
-        if (h := self.block_hash[block]) is not None:  # evict its cached content
-            del self.cached[h]
-            self.block_hash[block] = None
+        if (key := self.key[block]) is not None:  # evict its cached content
+            del self.cached[block_digest(key)]
+            self.key[block], self.serial[block] = None, 0
         self.ref_count[block] = 1
         return block
 
@@ -72,26 +76,34 @@ class BlockManager:
             del self.free[block]
         self.ref_count[block] += 1
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
-        """Take references on the cached blocks that start `tokens`. The last
-        token is never matched, so its logits are always computed (and no
-        shared block is ever written)."""
+    def _lookup(self, key: BlockKey) -> int | None:
+        """The block published under exactly `key` (a digest hit with another key is refused)."""
+        block = self.cached.get(block_digest(key))
+        return block if block is not None and self.key[block] == key else None
+
+    def _key(self, tokens: list[int], index: int, chain: list[int]) -> BlockKey:
+        bs = self.block_size
+        return (chain[index - 1] if index else 0, tuple(tokens[index * bs: (index + 1) * bs]))
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Take references on the cached blocks that start `tokens`; returns
+        their table and chain. The last token is never matched, so its logits
+        are always computed (and no shared block is ever written)."""
+        table: list[int] = []
+        chain: list[int] = []
         if not self.prefix_cache:
-            return []
-        table = []
-        for h in chain_hashes(tokens[: len(tokens) - 1], self.block_size):
-            block = self.cached.get(h)
+            return table, chain
+        for index in range((len(tokens) - 1) // self.block_size):
+            block = self._lookup(self._key(tokens, index, chain))
             if block is None:
                 break
             self._ref(block)
             table.append(block)
-        return table
+            chain.append(self.serial[block])
+        return table, chain
 
     def blocks_needed(self, table: list[int], num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(table))
-
-    def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(table, num_tokens) <= len(self.free)
 
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks so `table` can hold `num_tokens` tokens."""
@@ -101,20 +113,24 @@ class BlockManager:
         for _ in range(needed):
             table.append(self._take_free())
 
-    def register(self, table: list[int], tokens: list[int], num_computed: int) -> None:
-        """Publish the full blocks whose K/V is computed (of tokens[:num_computed])."""
-        full = num_computed // self.block_size
-        self.register_hashes(table, chain_hashes(tokens[: full * self.block_size], self.block_size))
-
-    def register_hashes(self, table: list[int], hashes: list[int]) -> None:
-        """Publish table[i] under hashes[i] (its chained hash), unless already cached."""
+    def publish(self, table: list[int], chain: list[int], tokens: list[int], num_computed: int) -> None:
+        """Publish the full blocks of tokens[:num_computed] (their K/V computed)
+        not yet in `chain`, extending it. A block whose content is already
+        cached elsewhere continues the chain from that copy."""
         if not self.prefix_cache:
             return
-        for block, h in zip(table, hashes):
-            if self.block_hash[block] is not None or h in self.cached:
-                continue  # already published, or the same content computed twice
-            self.block_hash[block] = h
-            self.cached[h] = block
+        for index in range(len(chain), num_computed // self.block_size):
+            key = self._key(tokens, index, chain)
+            found = self._lookup(key)
+            if found is None:
+                if block_digest(key) in self.cached:
+                    return  # another key holds this digest: the chain stops here
+                block = table[index]
+                self.key[block], self.serial[block] = key, self.next_serial
+                self.next_serial += 1
+                self.cached[block_digest(key)] = block
+                found = block
+            chain.append(self.serial[found])
 
     def truncate(self, table: list[int], num_tokens: int) -> None:
         """Drop the blocks past `num_tokens` tokens (rejected speculation)."""
@@ -129,5 +145,5 @@ class BlockManager:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self.free[block] = None
-                if self.block_hash[block] is None:
+                if self.key[block] is None:
                     self.free.move_to_end(block, last=False)

@@ -14,8 +14,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_running: int = 32  # sequences decoded together
     max_queue: int = 64  # waiting requests beyond this are refused (overloaded)
     prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing
-    max_tokens: int = 64  # default per request
-    deadline_ms: float = 2000.0  # default per request
     paged_attention: Literal["auto", "torch", "triton"] = "auto"  # decode/verify attention; auto: triton on CUDA
     cuda_graphs: bool = True  # replay plain decode steps as CUDA graphs (with the triton kernel, on CUDA)
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default

@@ -11,12 +11,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-import torch
-
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.core import Delta, EngineCore, EngineError, Finished, Request
-from completer.engine.model_runner import CachedModel
-from completer.engine.paged_kv import pool_blocks
+from completer.engine.core import EngineCore
+from completer.engine.request import Delta, EngineError, Finished, Request
 from completer.loading import LoadedModel
 
 T = TypeVar("T")
@@ -91,22 +88,9 @@ class Engine:
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None,
               config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig()) -> "Engine":
-        use_draft = draft is not None and spec.draft_model
-        share = spec.draft_share if use_draft else 0.0
-
-        def cached(loaded: LoadedModel, budget_mb: float) -> CachedModel:
-            model = loaded.model
-            blocks = pool_blocks(model.config, budget_mb, config.block_size, torch.float32)
-            on_cuda = next(model.parameters()).device.type == "cuda"
-            kernel = config.paged_attention == "triton" or (config.paged_attention == "auto" and on_cuda)
-            return CachedModel(model, blocks, config.block_size, config.prefix_cache,
-                               paged_kernel=kernel, cuda_graphs=config.cuda_graphs)
-
-        target_cache = cached(target, config.kv_cache_mb * (1 - share))
-        draft_cache = cached(draft, config.kv_cache_mb * share) if use_draft else None
-        builder = target.prompt_builder(1)
-        core = EngineCore(target_cache, draft_cache, target.tokenizer, builder.stop_ids, config, spec)
-        return cls(core)
+        stop_ids = target.prompt_builder(1).stop_ids
+        return cls(EngineCore.build(target.model, draft.model if draft else None, target.tokenizer,
+                                    stop_ids, config, spec))
 
     def start(self) -> None:
         """Start the loop's thread; returns once it has calibrated speculation's
@@ -119,7 +103,7 @@ class Engine:
         def run() -> None:
             core = self.core
             try:
-                if core.spec.adaptive and (core.spec.ngram or core.draft is not None):
+                if core.spec.adaptive and core.speculator.proposers:
                     core.calibrate()
             except BaseException as e:  # reported by start(), in the caller's thread
                 failed.append(e)
@@ -142,8 +126,10 @@ class Engine:
             self._thread.join()
 
     def submit(self, request: Request, supersede: str | None = None) -> RequestStream:
-        """Queue a request; with `supersede`, cancel the in-flight request that
-        was submitted under the same key (a newer keystroke in the same document)."""
+        """Queue a request. With `supersede` (a session and document), the
+        request submitted under the same key before it, if still in flight, is
+        cancelled: a newer keystroke in the same document. The engine is the
+        one owner of supersede and cancel; call from the event loop's thread."""
         stream = RequestStream(request.id)
         self._streams[request.id] = stream
         with self._cond:
@@ -155,6 +141,10 @@ class Engine:
             self._inbox.append(("add", request))
             self._cond.notify()
         return stream
+
+    def in_flight(self, supersede: str) -> bool:
+        """Whether a request submitted under this key has not finished yet."""
+        return supersede in self._latest
 
     def cancel(self, request_id: str) -> None:
         with self._cond:
@@ -173,7 +163,7 @@ class Engine:
             events: list = []
             for op, arg in inbox:
                 if op == "cancel":
-                    core.cancel(arg)
+                    core.abort(arg)
                     continue
                 try:
                     core.add(arg)
@@ -187,8 +177,10 @@ class Engine:
                     events += [(e.id, e) for e in core.step()]
                 except Exception as e:  # fail this step's requests, not the server
                     log.exception("engine step failed; its %d running requests end with an internal error",
-                                  len(core.running))
+                                  len(core.scheduler.running))
                     events += core.fail_running(f"{type(e).__name__}: {e}")
+            else:  # what aborts left
+                events += [(e.id, e) for e in core.output.drain()]
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 

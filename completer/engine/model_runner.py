@@ -1,122 +1,65 @@
-"""A model with its own paged KV cache (the target has one, the drafter another).
+"""Runs one model over its paged K/V pool (the target has one, the drafter another).
 
-`forward` runs B rows of new tokens, each continuing its sequence from what
-the cache holds, writes their K/V and advances the sequence's `computed`;
-`rollback` takes back K/V of rejected drafts; `publish` offers the full blocks
-of accepted tokens to the prefix cache.
+`execute` takes B rows of new tokens, each continuing its sequence from what
+the pool holds (the KV cache manager has already given the rows their
+blocks), builds the pass's `AttentionMetadata` once, runs the model through
+the chosen attention backend and advances each sequence's `computed`. Plain
+decode steps go through CUDA graphs where enabled.
 """
 
 from __future__ import annotations
 
-import time
+from typing import Literal
 
 import torch
 
-from completer.engine.block_manager import BlockManager, chain_hashes
-from completer.engine.decode_graph import DecodeGraphs, KernelBatch
-from completer.engine.paged_kv import KVPool, PagedBatch
+from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention
+from completer.engine.cuda_graphs import DecodeGraphs
+from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
 from completer.model import Transformer
 
 
-class CachedModel:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int,
-                 prefix_cache: bool = True, kv_dtype: torch.dtype = torch.float32,
-                 paged_kernel: bool = False, cuda_graphs: bool = False):
-        """paged_kernel: passes of up to KernelBatch.MAX_NEW new tokens per row
-        through the Triton paged-attention kernel (decode_graph.py); plain
-        decode steps captured as CUDA graphs if `cuda_graphs`."""
+class ModelRunner:
+    def __init__(self, model: Transformer, pool: KVPool, attention: Literal["torch", "triton"] = "torch",
+                 cuda_graphs: bool = False):
+        """attention "triton": passes of up to TritonAttention.MAX_NEW new tokens
+        per row read K/V through the paged kernel; plain decode steps replay
+        CUDA graphs if `cuda_graphs` (on CUDA)."""
         self.model = model
-        self.device = next(model.parameters()).device
-        self.pool = KVPool(model.config, num_blocks, block_size, kv_dtype, self.device)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
-        self.block_size = block_size
+        self.pool = pool
+        self.device = pool.device
+        self.block_size = pool.block_size
+        self.attention = attention
         self.graphs = None
-        if paged_kernel:
-            max_blocks = min(-(-model.config.max_position_embeddings // block_size), num_blocks - 1)
-            self.graphs = DecodeGraphs(model, self.pool, max_blocks, cuda_graphs)
-
-    def attach(self, state: CacheState, tokens: list[int]) -> int:
-        """Start a sequence: reuse cached blocks of its prompt; returns the number
-        of prompt tokens whose K/V came from cache."""
-        state.table = self.blocks.match_prefix(tokens)
-        state.computed = len(state.table) * self.block_size
-        state.hashes = chain_hashes(tokens[: state.computed], self.block_size)
-        return state.computed
-
-    def release(self, state: CacheState) -> None:
-        self.blocks.release(state.table)
-        state.table, state.computed, state.hashes = [], 0, []
+        if attention == "triton":
+            max_blocks = min(-(-model.config.max_position_embeddings // self.block_size), pool.num_blocks - 1)
+            self.graphs = DecodeGraphs(model, pool, max_blocks, cuda_graphs)
 
     @torch.inference_mode()
-    def forward(self, states: list[CacheState], rows: list[list[int]],
-                last_only: bool = False) -> torch.Tensor:
+    def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False) -> torch.Tensor:
         """Run each row's tokens at positions state.computed onward. Returns
         logits [B, T, V] (rows padded to the longest), or [B, V] for each row's
-        last token with `last_only`. Grows block tables; advances `computed`."""
-        if self.graphs is not None and self.graphs.fits(len(rows)) and all(len(r) == 1 for r in rows):
-            return self._plain_decode(states, rows, last_only)
-        width = max(len(r) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, (state, row) in enumerate(zip(states, rows)):
-            self.blocks.grow(state.table, state.computed + len(row))
-            tokens[b, : len(row)] = torch.tensor(row)
-            # Padding repeats the last real position: harmless, never written.
-            span = torch.arange(state.computed, state.computed + width)
-            positions[b] = span.clamp(max=state.computed + len(row) - 1)
-        backend = KernelBatch if self.graphs is not None and width <= KernelBatch.MAX_NEW else PagedBatch
-        batch = backend(self.pool, [s.table for s in states], positions, [len(r) for r in rows])
-        hidden = self.model.hidden_states(tokens.to(self.device), positions.to(self.device), batch)
-        for state, row in zip(states, rows):
-            state.computed += len(row)
-        if last_only:
-            last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
-            hidden = hidden[torch.arange(len(rows), device=self.device), last]
-        return self.model.logits(hidden)
-
-    def _plain_decode(self, states: list[CacheState], rows: list[list[int]], last_only: bool) -> torch.Tensor:
-        for state in states:
-            self.blocks.grow(state.table, state.computed + 1)
-        logits = self.graphs.run([s.table for s in states], [s.computed for s in states], [r[0] for r in rows])
-        for state in states:
-            state.computed += 1
-        return logits if last_only else logits[:, None]
-
-    def time_passes(self, batch: int, widths: list[int], context: int, reps: int) -> dict[int, float]:
-        """Median seconds of a pass adding `width` tokens to each of `batch`
-        dummy sequences of `context` tokens (nothing if the pool is too small)."""
-        need = batch * -(-(context + max(widths)) // self.block_size)
-        if need > self.blocks.num_free:
-            return {}
-        states = [CacheState() for _ in range(batch)]
-        self.forward(states, [[1] * context] * batch, last_only=True)
-        timed = {}
-        for width in widths:
-            times = []
-            for _ in range(reps):
-                started = time.perf_counter()
-                int(self.forward(states, [[1] * width] * batch).argmax())  # waits for the result
-                times.append(time.perf_counter() - started)
-                for state in states:
-                    self.rollback(state, context)
-            timed[width] = sorted(times)[len(times) // 2]
-        for state in states:
-            self.release(state)
-        return timed
-
-    def publish(self, state: CacheState, tokens: list[int]) -> None:
-        """tokens[:state.computed] are accepted: offer their newly full blocks to
-        the prefix cache."""
-        bs = self.block_size
-        full = state.computed // bs
-        if len(state.hashes) < full:
-            parent = state.hashes[-1] if state.hashes else None
-            start = len(state.hashes) * bs
-            state.hashes += chain_hashes(tokens[start: full * bs], bs, parent)
-            self.blocks.register_hashes(state.table, state.hashes)
-
-    def rollback(self, state: CacheState, computed: int) -> None:
-        """Forget K/V past `computed` tokens (rejected drafts) and their blocks."""
-        state.computed = min(state.computed, computed)
-        self.blocks.truncate(state.table, state.computed)
+        last token with `last_only`. Advances `computed`."""
+        lens = [len(r) for r in rows]
+        width = max(lens)
+        plain = self.graphs is not None and width == 1 and self.graphs.fits(len(rows))
+        meta = AttentionMetadata.build([s.table for s in states], [s.computed for s in states], lens,
+                                       self.block_size, "cpu" if plain else self.device)
+        if plain:
+            logits = self.graphs.run([r[0] for r in rows], meta)
+            logits = logits if last_only else logits[:, None]
+        else:
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            for b, row in enumerate(rows):
+                tokens[b, : len(row)] = torch.tensor(row)
+            triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
+            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta)
+            hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
+            if last_only:
+                last = torch.tensor([n - 1 for n in lens], device=self.device)
+                hidden = hidden[torch.arange(len(rows), device=self.device), last]
+            logits = self.model.logits(hidden)
+        for state, n in zip(states, lens):
+            state.computed += n
+        return logits

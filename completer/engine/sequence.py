@@ -1,44 +1,15 @@
-"""A request as the engine sees it: its tokens, its blocks in each cache, its
-output state and its timings."""
+"""A request as the engine holds it: its tokens, its place in each KV pool,
+its output text and its timings."""
 
 from __future__ import annotations
 
 import enum
-import time
-from typing import Literal
 
-import msgspec
 import torch
 
-from completer.generate import Mode
+from completer.engine.request import Request, Timings
 from completer.engine.spec_policy import SpecState
-from completer.engine.speculative import NgramIndex
 from completer.engine.stopping import OutputText
-
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int = 64
-    temperature: float = 0.0
-    mode: Mode = "line"
-    stop: tuple[str, ...] = ()
-    deadline_s: float | None = None  # seconds from submission
-    seed: int | None = None
-
-
-class Timings(msgspec.Struct):
-    """The protocol's `done.timings`."""
-
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    draft_rounds: int = 0  # extension: verification passes that checked a proposal
-    prefill: Literal["local", "remote"] = "local"
 
 
 class Status(enum.Enum):
@@ -49,37 +20,35 @@ class Status(enum.Enum):
 
 
 class CacheState:
-    """A sequence's place in one model's paged cache."""
+    """A sequence's place in one pool (its role: "target" or "draft")."""
 
-    __slots__ = ("table", "computed", "hashes")
+    __slots__ = ("table", "computed", "chain")
 
     def __init__(self) -> None:
         self.table: list[int] = []  # block ids
-        self.computed = 0  # tokens whose K/V is in the cache
-        self.hashes: list[int] = []  # chained hashes of the full computed blocks
+        self.computed = 0  # tokens whose K/V is in the pool
+        self.chain: list[int] = []  # prefix-cache identities of the full computed blocks
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 output: OutputText, stop_ids: set[int]):
-        self.id = request_id
-        self.tokens = list(prompt)
-        self.prompt_len = len(prompt)
-        self.params = params
+    def __init__(self, request: Request, output: OutputText, roles: tuple[str, ...], spec: SpecState):
+        self.id = request.id
+        self.tokens = list(request.prompt)
+        self.prompt_len = len(request.prompt)
+        self.params = request.params
         self.output = output
-        self.stop_ids = stop_ids
         self.status = Status.WAITING
-        self.target = CacheState()
-        self.draft = CacheState()
-        self.finish_reason: str | None = None
-        self.cancelled = False
-        self.submitted = time.perf_counter()
-        self.deadline = None if params.deadline_s is None else self.submitted + params.deadline_s
+        self.kv = {role: CacheState() for role in roles}
+        self.arrival = request.arrival
+        deadline_s = request.params.deadline_s
+        self.deadline = None if deadline_s is None else self.arrival + deadline_s
         self.first_token_at: float | None = None
-        self.timings = Timings(prompt_tokens=len(prompt))
-        self.spec: SpecState | None = None  # acceptance per proposal source
-        self.ngram: NgramIndex | None = None  # built on first use
+        self.timings = Timings(prompt_tokens=self.prompt_len)
+        self.spec = spec  # acceptance per proposal source
+        self.ngram = None  # proposers.NgramIndex, built on first use
         self.generator: torch.Generator | None = None  # seeded sampling
+        if request.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(request.params.seed)
 
     @property
     def generated(self) -> list[int]:
@@ -87,5 +56,4 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        """len(generated) without copying it (checked per token)."""
         return len(self.tokens) - self.prompt_len

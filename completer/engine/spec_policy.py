@@ -118,22 +118,18 @@ class SpecPolicy:
         cost = self.costs.verify_ratio(batch, k + 1) + (k * self.costs.draft_ratio(batch) if drafted else 0)
         return expected_tokens(rate, k) / cost
 
-    def choose(self, state: SpecState, batch: int, ngram_len: int, draft_ok: bool,
+    def choose(self, state: SpecState, batch: int, offers: dict[Source, int],
                budget: int) -> tuple[Source | None, int]:
         """The source and draft length for this step; (None, 0) = plain decoding.
-        ngram_len: how many tokens the n-gram lookup offers (0 = no match)."""
-        if budget <= 0:
+        offers: how many tokens each available source could propose, in order
+        of preference."""
+        if budget <= 0 or not offers:
             return None, 0
         if not self.adaptive:
-            if ngram_len:
-                return "ngram", min(ngram_len, self.k_init, budget)
-            return ("draft", min(self.k_init, budget)) if draft_ok else (None, 0)
+            source = next(iter(offers))
+            return source, min(offers[source], self.k_init, budget)
         best: tuple[float, Source | None, int] = (1.0, None, 0)
-        options: list[tuple[Source, int]] = []
-        if ngram_len:
-            options.append(("ngram", min(ngram_len, self.k_max, budget)))
-        if draft_ok:
-            options.append(("draft", min(self.k_max, budget)))
+        options = [(source, min(n, self.k_max, budget)) for source, n in offers.items()]
         for source, longest in options:
             rate = state.acceptance[source].rate
             for k in range(1, longest + 1):
@@ -143,7 +139,7 @@ class SpecPolicy:
         _, source, k = best
         if source is not None:
             state.plain_steps = 0
-        elif options:
+        else:
             state.plain_steps += 1
             if state.plain_steps >= PROBE_EVERY:  # fresh evidence: acceptance changes along a file
                 state.plain_steps = 0

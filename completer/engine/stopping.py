@@ -12,8 +12,19 @@ from __future__ import annotations
 import codecs
 from typing import Callable
 
-from completer.generate import line_mode_end
 from completer.healing import consume
+
+
+def line_mode_end(text: str) -> int | None:
+    """Where a `line` completion ends: the first newline after some visible text
+    (a completion at the end of `def f():` may begin with a newline and indent)."""
+    seen_text = False
+    for i, ch in enumerate(text):
+        if ch == "\n" and seen_text:
+            return i
+        if not ch.isspace():
+            seen_text = True
+    return None
 
 
 def indent_of(line: str) -> int:

@@ -24,7 +24,7 @@ from websockets.http11 import Request, Response
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.loading import LoadedModel, load_models
-from completer.prompt import PromptBuilder
+from completer.pipeline import CompletionPipeline
 from completer.server import security
 from completer.server.metrics import Metrics
 from completer.server.session import Session
@@ -40,9 +40,9 @@ class App:
         self.target: LoadedModel | None = None
         self.draft: LoadedModel | None = None
         self.engine: Engine | None = None
+        self.pipeline: CompletionPipeline | None = None
         self.sessions: set[Session] = set()
         self.connections = 0
-        self.send_timeout_s = 10.0
         self.scheme = "https" if config.server.tls_cert else "http"
         self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
 
@@ -54,14 +54,11 @@ class App:
         self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
                                               m.order or None, m.device)
 
-    def prompt_builder(self) -> PromptBuilder:
-        m = self.config.model
-        return self.target.prompt_builder(m.context_tokens - self.config.engine.max_tokens)
-
     async def start_engine(self) -> None:
         await asyncio.to_thread(run_in_passing_thread, self.load_models)
         engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec)
         engine.start()
+        self.pipeline = CompletionPipeline(self.target, self.config)
         self.engine = engine
 
     # -- HTTP ------------------------------------------------------------------
@@ -84,9 +81,9 @@ class App:
         m.sessions.set(len(self.sessions))
         if self.engine is not None:
             core = self.engine.core
-            m.running.set(len(core.running))
-            m.waiting.set(len(core.waiting))
-            m.kv_usage.set(core.target.blocks.usage())
+            m.running.set(len(core.scheduler.running))
+            m.waiting.set(len(core.scheduler.waiting))
+            m.kv_usage.set(core.kv.usage())
 
     def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         host = request.headers.get("Host")
@@ -137,6 +134,9 @@ class App:
         pending = [t for s in self.sessions for t in s.inflight.values()]
         if pending:
             await asyncio.wait(pending, timeout=SHUTDOWN_GRACE_S)
+        flushing = [asyncio.ensure_future(s.flush()) for s in self.sessions]
+        if flushing:  # the `done` frames out to the sockets
+            await asyncio.wait(flushing, timeout=SHUTDOWN_GRACE_S)
 
     async def serve(self, stop: asyncio.Event, on_listening=None) -> None:
         s = self.config.server

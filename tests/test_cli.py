@@ -1,43 +1,11 @@
-"""The one-shot greedy loop, and the `completer complete` command on the shipped models."""
+"""The `completer complete` command: the engine and the pipeline, from the command line."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
-from completer.generate import complete, line_mode_end
-from completer.model import ModelConfig, Transformer
-from completer.prompt import PromptBuilder, get_template
-from completer.tokenizer import train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize("text, end", [
-    ("return x\n    y", 8), ("\n    return 1\nfoo", 13), ("  \n\n", None), ("abc", None)])
-def test_line_mode_end(text, end):
-    assert line_mode_end(text) == end
-
-
-def test_cached_greedy_equals_recomputed_greedy(tmp_path):
-    tok = train_bpe(["def add(a, b):\n    return a + b\n" * 40], 320, tmp_path)
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=tok.vocab_size, hidden_size=32,
-                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    torch.manual_seed(1)
-    model = Transformer(cfg).eval()
-    builder = PromptBuilder(tok, get_template("default"), budget=128)
-    result = complete(model, builder, "def add(a, b):\n    ret", "\n", max_tokens=12, mode="free")
-    # The same greedy continuation, recomputed from scratch at every step.
-    ids = builder.build("def add(a, b):\n    ret", "\n").tokens
-    out = []
-    with torch.no_grad():
-        for _ in range(result.generated_tokens):
-            out.append(int(model(torch.tensor([ids + out]))[0, -1].argmax()))
-    assert tok.decode(out) == result.text
-    assert result.prompt_tokens == len(ids)
 
 
 def run_cli(*args, stdin=None):
@@ -77,3 +45,17 @@ def test_complete_command_bad_model_dir(tmp_path):
 def test_complete_command_cursor_outside_file():
     done = run_cli("complete", "examples/shapes.py:999:1")
     assert done.returncode != 0 and "outside the file" in done.stderr
+
+
+def test_complete_command_reads_the_config_and_its_overrides(tmp_path):
+    """`completer complete` takes the server's config: here `[request]` from a
+    TOML file, one key overridden with --set."""
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\ntarget = "embedded"\n[request]\nmode = "free"\nmax_tokens = 7\n')
+    done = run_cli("complete", "--config", str(config), "--set", "request.max_tokens=3",
+                   "--prefix", "def add(a, b):\n    ")
+    assert done.returncode == 0, done.stderr
+    assert "generated 3 tok" in done.stderr and "length" in done.stderr, done.stderr
+    bad = run_cli("complete", "--config", str(config), "--set", "engine.max_tokens=3", "--prefix", "x")
+    assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0
+    assert "request.max_tokens" in bad.stderr

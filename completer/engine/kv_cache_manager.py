@@ -1,0 +1,80 @@
+"""The KV blocks of every sequence in every pool it uses ("target", and
+"draft" when a drafter runs): prefix matching on admission, a worst-case
+reservation so a running sequence never runs out of blocks, growth before
+each pass, rollback of rejected drafts, publishing to the prefix cache, and
+freeing. Torch-free: block ids only (the tensors are the runners')."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from completer.engine.block_manager import BlockManager
+from completer.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pools: dict[str, BlockManager], lookahead: int):
+        """pools: role -> its block manager (one block size for all).
+        lookahead: tokens past max_tokens a verify pass may write (k_max + 1)."""
+        self.pools = pools
+        self.roles = tuple(pools)
+        self.block_size = next(iter(pools.values())).block_size
+        self.lookahead = lookahead
+
+    def worst_case(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a sequence may hold at most (prompt, completion, a last verify pass)."""
+        return -(-(prompt_len + max_tokens + self.lookahead) // self.block_size)
+
+    def too_large(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request can never run (its worst case exceeds a whole pool), if so."""
+        worst = self.worst_case(prompt_len, max_tokens)
+        for role, pool in self.pools.items():
+            if worst > pool.num_blocks - 1:
+                return (f"prompt of {prompt_len} tokens does not fit the {role} KV cache "
+                        f"({pool.num_blocks - 1} blocks)")
+        return None
+
+    def _reserved(self, role: str, running: Iterable[Sequence]) -> int:
+        """Blocks the running sequences may still claim in a pool."""
+        return sum(max(0, self.worst_case(s.prompt_len, s.params.max_tokens) - len(s.kv[role].table)) for s in running)
+
+    def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Reuse cached blocks of the prompt in every pool, if the sequence's
+        worst case then fits beside the running ones'; else take nothing."""
+        fits = True
+        for role, pool in self.pools.items():
+            state = seq.kv[role]
+            state.table, state.chain = pool.match_prefix(seq.tokens)
+            state.computed = len(state.table) * self.block_size
+            need = self.worst_case(seq.prompt_len, seq.params.max_tokens) - len(state.table)
+            fits &= need <= pool.num_free - self._reserved(role, running)
+        if not fits:
+            self.free(seq)
+        return fits
+
+    def allocate(self, role: str, seqs: list[Sequence], rows: list[list[int]]) -> None:
+        """Blocks for each row's new tokens (within the reservation)."""
+        pool = self.pools[role]
+        for seq, row in zip(seqs, rows):
+            state = seq.kv[role]
+            pool.grow(state.table, state.computed + len(row))
+
+    def rollback(self, seq: Sequence, role: str, computed: int) -> None:
+        """Forget K/V past `computed` tokens (rejected drafts) and their blocks."""
+        state = seq.kv[role]
+        state.computed = min(state.computed, computed)
+        self.pools[role].truncate(state.table, state.computed)
+
+    def publish(self, seq: Sequence, role: str) -> None:
+        """seq.tokens[:computed] are accepted: offer their full blocks to the prefix cache."""
+        state = seq.kv[role]
+        self.pools[role].publish(state.table, state.chain, seq.tokens, state.computed)
+
+    def free(self, seq: Sequence) -> None:
+        for role, pool in self.pools.items():
+            state = seq.kv[role]
+            pool.release(state.table)
+            state.table, state.computed, state.chain = [], 0, []
+
+    def usage(self) -> float:
+        return self.pools["target"].usage()

@@ -1,0 +1,53 @@
+"""From accepted tokens to the engine's events: text deltas as they become
+safe to send, and one `Finished` per request with its timings (the stop rules
+themselves are `stopping.OutputText`'s)."""
+
+from __future__ import annotations
+
+import time
+
+from completer.engine.request import Delta, Event, FinishReason, Finished
+from completer.engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, stop_ids: set[int]):
+        self.stop_ids = stop_ids
+        self.events: list[Event] = []
+
+    def append(self, seq: Sequence, tokens: list[int]) -> FinishReason | None:
+        """Take accepted tokens in order, streaming their text; returns why the
+        sequence ended, if it did (the tokens after that are dropped)."""
+        for token in tokens:
+            if token in self.stop_ids:
+                return "eos"
+            seq.tokens.append(token)
+            delta, ended = seq.output.add(token)
+            self.emit(seq, delta)
+            if ended:
+                return "stop"
+            if seq.num_generated >= seq.params.max_tokens:
+                return "length"
+        return None
+
+    def emit(self, seq: Sequence, text: str) -> None:
+        if not text:
+            return
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        self.events.append(Delta(seq.id, text))
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """The last delta (text held back that survives the final trim) and `Finished`."""
+        if reason != "cancelled":
+            self.emit(seq, seq.output.finish())
+        now = time.perf_counter()
+        t = seq.timings
+        t.total_ms = (now - seq.arrival) * 1000
+        t.ttft_ms = ((seq.first_token_at or now) - seq.arrival) * 1000
+        t.generated_tokens = seq.num_generated
+        self.events.append(Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t))
+
+    def drain(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,73 @@
+"""What goes into the engine and what comes out: torch-free msgspec Structs,
+so the wire schema (`protocol.py`) and clients import them without the model."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+Mode = Literal["line", "block", "free"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 64
+    temperature: float = 0.0
+    mode: Mode = "line"
+    stop: tuple[str, ...] = ()
+    deadline_s: float | None = None  # seconds from the request's arrival
+    seed: int | None = None
+
+
+class Request(msgspec.Struct, frozen=True):
+    id: str
+    prompt: list[int]
+    params: SamplingParams = SamplingParams()
+    cursor_line: str = ""  # the prefix's last line (block mode's indentation)
+    suffix: str = ""  # text after the cursor (trims what it already has)
+    heal: bytes = b""  # token healing: bytes backed off the prompt, to be re-spelled first
+    # time.perf_counter() when the request arrived (a frame read off the
+    # socket): queueing, TTFT, total time and the deadline count from here.
+    arrival: float = msgspec.field(default_factory=time.perf_counter)
+
+
+class Timings(msgspec.Struct):
+    """The protocol's `done.timings`, measured by the engine from the request's arrival."""
+
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    draft_rounds: int = 0  # extension: verification passes that checked a proposal
+    prefill: Literal["local", "remote"] = "local"
+
+
+class Delta(msgspec.Struct, frozen=True):
+    id: str
+    text: str
+
+
+FinishReason = Literal["stop", "length", "eos", "cancelled", "deadline"]
+
+
+class Finished(msgspec.Struct, frozen=True):
+    id: str
+    reason: FinishReason
+    text: str
+    timings: Timings
+
+
+Event = Delta | Finished
+
+
+class EngineError(Exception):
+    """A request the engine refuses or could not finish; `code` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

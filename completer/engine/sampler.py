@@ -1,0 +1,34 @@
+"""Choosing a token from logits, for the target and the drafter alike:
+greedy at temperature 0, else a draw from the softmax at the request's
+temperature (with its seeded generator). While token healing is pending,
+only tokens that re-spell the backed-off bytes may be chosen."""
+
+from __future__ import annotations
+
+import torch
+
+from completer.engine.sequence import Sequence
+from completer.healing import TokenHealer
+
+
+class Sampler:
+    def __init__(self, healer: TokenHealer):
+        self.healer = healer
+
+    def constrain(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        if not seq.output.heal:
+            return logits
+        return self.healer.constrain(logits, self.healer.allowed(seq.output.heal, logits.shape[-1]))
+
+    @staticmethod
+    def probs(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float() / seq.params.temperature, dim=-1)
+
+    def sample(self, seq: Sequence, logits: torch.Tensor, heal: bool = True) -> tuple[int, torch.Tensor | None]:
+        """(token, the distribution it was drawn from; None when greedy)."""
+        if heal:
+            logits = self.constrain(seq, logits)
+        if seq.params.temperature <= 0:
+            return int(logits.argmax()), None
+        p = self.probs(seq, logits)
+        return int(torch.multinomial(p, 1, generator=seq.generator)), p

@@ -1,0 +1,78 @@
+"""Which sequences run this step, and how much of each prompt is prefilled.
+
+Requests wait in arrival order; the oldest starts as soon as its worst case
+fits in every pool beside the running sequences' (so decoding never runs out
+of blocks) and fewer than `max_running` run. Prompts are prefilled in chunks:
+at most `prefill_chunk` prompt tokens a step over all sequences, so one long
+prompt cannot stall the others' decoding. Sequences past their deadline are
+handed back to be finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from completer.engine.config import EngineConfig
+from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.sequence import Sequence, Status
+
+
+class StepPlan(NamedTuple):
+    expired: list[Sequence]  # past their deadline: finish them
+    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens it may prefill this step)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def queue_full(self) -> bool:
+        return len(self.waiting) >= self.config.max_queue
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+
+    def schedule(self, now: float) -> StepPlan:
+        expired = [s for s in (*self.waiting, *self.running) if s.deadline is not None and now > s.deadline]
+        for seq in expired:
+            self.remove(seq)
+        self._admit(now)
+        budget, prefill = self.config.prefill_chunk, []
+        for seq in self.running:
+            if seq.status is not Status.PREFILL:
+                continue
+            if budget <= 0:
+                break
+            prefill.append((seq, budget))  # the drafter keeps pace within the same budget
+            budget -= min(budget, seq.prompt_len - seq.kv["target"].computed)
+        return StepPlan(expired, prefill)
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.status is Status.DECODE]
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if not self.kv.admit(seq, self.running):
+                break
+            self.waiting.popleft()
+            seq.status = Status.PREFILL
+            seq.timings.queue_ms = (now - seq.arrival) * 1000
+            seq.timings.cached_tokens = seq.kv["target"].computed
+            self.running.append(seq)

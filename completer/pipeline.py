@@ -1,0 +1,103 @@
+"""The one way in: (document, context, request options, config) -> the
+engine's request. The server's sessions, `completer complete`, `completer
+evaluate` and the benchmarks all build their requests here, from the same
+config sections, so what is measured is what is served.
+
+`LocalCompleter` bundles the pipeline with an engine in this process (the
+CLI, evaluation and benchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+from completer.config import Config
+from completer.document import DocumentPrompt
+from completer.engine.engine import Engine, RequestStream
+from completer.engine.request import Mode, Request, SamplingParams
+from completer.healing import back_off
+from completer.loading import LoadedModel
+from completer.prompt import Snippet
+from completer.protocol import ContextItem, Document
+
+SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
+
+
+class RequestOptions(msgspec.Struct, frozen=True):
+    """What a request may set; None takes the config's `[request]` default."""
+
+    mode: Mode | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()
+    deadline_ms: float | None = None
+    seed: int | None = None
+
+
+def display_path(uri: str) -> str:
+    """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file header)."""
+    path = unquote(urlsplit(uri).path) or uri
+    return "/".join(path.rstrip("/").split("/")[-2:])
+
+
+class CompletionPipeline:
+    def __init__(self, target: LoadedModel, config: Config):
+        self.target = target
+        self.defaults = config.request
+        self.budget = config.model.context_tokens - config.request.max_tokens  # prompt tokens
+
+    def document(self) -> DocumentPrompt:
+        """Prompt state for one document: keystrokes re-tokenize only what changed."""
+        return DocumentPrompt(self.target.prompt_builder(self.budget))
+
+    def request(self, request_id: str, document: Document, context: Iterable[ContextItem] = (),
+                options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,
+                arrival: float | None = None) -> Request:
+        """The engine request. `state`: the document's prompt state (a fresh one
+        if None); `arrival`: when the request arrived (default: now). When the
+        prompt ends with the prefix (SPM, the prefix template), token healing
+        backs off its last token, to be re-spelled."""
+        arrival = time.perf_counter() if arrival is None else arrival
+        state = state or self.document()
+        snippets = [Snippet(display_path(c.uri), c.text) for c in context]
+        prompt = state.update(document.prefix, document.suffix, display_path(document.uri), snippets)
+        tokens, heal = prompt.tokens, b""
+        if state.builder.template.order != "psm":
+            tokens, heal = back_off(self.target.tokenizer, prompt.tokens, prompt.prefix_tokens)
+        d = self.defaults
+        deadline_ms = d.deadline_ms if options.deadline_ms is None else options.deadline_ms
+        params = SamplingParams(max_tokens=options.max_tokens or d.max_tokens, temperature=options.temperature,
+                                mode=options.mode or d.mode, stop=options.stop, deadline_s=deadline_ms / 1000,
+                                seed=options.seed)
+        prefix = document.prefix
+        return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
+                       suffix=document.suffix[:SUFFIX_FOR_TRIMMING], heal=heal, arrival=arrival)
+
+
+class LocalCompleter:
+    """An engine and its pipeline in this process; `async with` starts and stops the engine."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: Config):
+        self.config = config
+        self.pipeline = CompletionPipeline(target, config)
+        self.engine = Engine.build(target, draft, config.engine, config.spec)
+        self.count = 0
+
+    async def __aenter__(self) -> "LocalCompleter":
+        self.engine.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.engine.stop()
+
+    def stream(self, document: Document, context: Iterable[ContextItem] = (),
+               options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Submit one completion; iterate the stream for deltas, `await .finished()` for the end."""
+        self.count += 1
+        request = self.pipeline.request(request_id or f"local-{self.count}", document, context, options, state)
+        return self.engine.submit(request)
