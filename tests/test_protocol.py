@@ -68,3 +68,17 @@ def test_server_messages_encode_as_specified():
                                     "prefill"}
     err = json.loads(encode(Error(None, "bad_request", "x")))
     assert err == {"type": "error", "id": None, "code": "bad_request", "message": "x"}
+
+
+def test_the_wire_schema_and_the_client_import_neither_torch_nor_the_model():
+    """Dependencies point inward: an editor-side tool can use the protocol
+    types and `python -m completer.client` without the engine's stack."""
+    import subprocess
+    import sys
+
+    code = ("import sys, completer.client, completer.protocol; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'tokenizers') "
+            "or m in ('completer.model', 'completer.engine.core', 'completer.training')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"imported: {done.stdout.strip()}"

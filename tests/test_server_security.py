@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from server_harness import TOKEN, collect, complete_msg, connect, running_server
+from server_harness import TOKEN, ServerProcess, collect, complete_msg, connect, running_server
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 
@@ -189,3 +189,70 @@ async def test_grafana_dashboard_uses_metrics_the_server_exports(server):
     missing = queried - exported
     assert not missing, missing
     assert any("histogram_quantile(0.99" in t["expr"] for p in dashboard["panels"] for t in p["targets"])
+
+
+async def test_a_reader_that_never_reads_is_disconnected_and_its_neighbour_goes_on():
+    """`server.send_queue_frames` bounds what waits for a reader whose socket
+    stopped taking frames: the connection is closed (and counted), the queue
+    does not grow without end, and another session keeps completing. The real
+    server runs in this process on a listening socket with small kernel
+    buffers (loopback's would otherwise absorb a megabyte first); the slow
+    reader is a bare socket (a client library would read into its own buffers)."""
+    import socket
+
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    from completer.config import load_config
+    from completer.server.app import App
+
+    config = load_config(None, ['model.target="embedded"', "server.send_queue_frames=16",
+                                "request.deadline_ms=30000"])
+    app = App(config, TOKEN)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # inherited by accepted sockets
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    ready, stop = asyncio.Event(), asyncio.Event()
+    serving = asyncio.create_task(app.serve(stop, lambda port, loaded=None: loaded and ready.set(), sock=listener))
+    await asyncio.wait_for(ready.wait(), 120)
+    loop = asyncio.get_running_loop()
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/ws"))
+        handshake = protocol.connect()
+        handshake.headers["Authorization"] = f"Bearer {TOKEN}"
+        protocol.send_request(handshake)
+        await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
+        events = []
+        while not events:  # byte by byte: nothing past the 101 is read
+            protocol.receive_data(await asyncio.wait_for(loop.sock_recv(sock, 1), 30))
+            events = protocol.events_received()
+        assert events[0].status_code == 101
+        for i in range(8):  # then never read again: deltas pile up behind the full socket
+            protocol.send_text(complete_msg(f"s{i}", "def f(x):\n    ", uri=f"file:///s{i}.py", mode="free",
+                                            max_tokens=400).encode())
+        await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
+        for _ in range(600):
+            if app.metrics.slow_disconnects._value.get() >= 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the reader that never reads was not disconnected")
+        assert all(s.outbox.qsize() <= 16 + 8 for s in app.sessions)  # the bound, give or take a step's burst
+        async with connect(ServerProcess(None, port, [])) as neighbour:
+            await neighbour.send(complete_msg("n", PREFIX, mode="free", max_tokens=6))
+            deltas, done = await collect(neighbour, "n")
+            assert done["type"] == "done" and done["text"] == "".join(deltas)
+        with pytest.raises((ConnectionResetError, EOFError)):  # closed: read what got through, then the end
+            while True:
+                if not await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+                    raise EOFError
+    finally:
+        sock.close()
+        stop.set()
+        await asyncio.wait_for(serving, 60)

@@ -13,6 +13,7 @@ import asyncio
 import http
 import json
 import signal
+import socket
 import ssl
 import sys
 from importlib import resources
@@ -138,13 +139,15 @@ class App:
         if flushing:  # the `done` frames out to the sockets
             await asyncio.wait(flushing, timeout=SHUTDOWN_GRACE_S)
 
-    async def serve(self, stop: asyncio.Event, on_listening=None) -> None:
+    async def serve(self, stop: asyncio.Event, on_listening=None, sock: socket.socket | None = None) -> None:
+        """Serve until `stop`; on `server.host`/`port`, or on a listening `sock` given."""
         s = self.config.server
         tls = None
         if s.tls_cert:
             tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             tls.load_cert_chain(s.tls_cert, s.tls_key or None)
-        async with serve(self.handler, s.host, s.port, process_request=self.process_request,
+        where = {"sock": sock} if sock is not None else {"host": s.host, "port": s.port}
+        async with serve(self.handler, **where, process_request=self.process_request,
                          max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
                          ping_interval=20, ping_timeout=20) as server:
             port = server.sockets[0].getsockname()[1]

@@ -73,6 +73,9 @@ class Metrics:
         self.requests = Counter("completer_request_success", "Finished requests by reason.",
                                 ["finished_reason"], registry=r)
         self.errors = Counter("completer_request_errors", "Error frames sent, by code.", ["code"], registry=r)
+        self.slow_disconnects = Counter("completer_slow_client_disconnects",
+                                        "Connections closed because the reader fell send_queue_frames behind.",
+                                        registry=r)
         self.prefills = Counter("completer_prefill", "Prefills by where they ran.", ["kind"], registry=r)
         self.shown_chars = Counter("completer_feedback_shown_chars", "Characters of completions reported shown.",
                                    registry=r)

@@ -2,9 +2,10 @@
 and the protocol's message handling. A bad frame gets an `error` and the
 connection goes on; nothing one session does reaches another.
 
-Frames leave through a bounded queue (`server.send_queue_frames`) drained by
-one writer task: a reader too slow to take them is disconnected (1008), not
-buffered for."""
+Frames leave through a queue drained by one writer task. A reader too slow
+to take them (its socket's buffers full, `server.send_queue_frames` frames
+waiting behind them) is disconnected (1008), not buffered for; a burst of
+frames to a reader that keeps up is not "slow"."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Session:
         self.documents: dict[str, DocumentPrompt] = {}
         self.inflight: dict[str, asyncio.Task] = {}  # protocol id -> the task relaying its stream
         self.shown: OrderedDict[str, int] = OrderedDict()  # id -> chars shown, for feedback
-        self.outbox: asyncio.Queue[str] = asyncio.Queue(app.config.server.send_queue_frames)
+        self.outbox: asyncio.Queue[str] = asyncio.Queue()
         self.too_slow = False
 
     def engine_id(self, request_id: str) -> str:
@@ -46,11 +47,12 @@ class Session:
     def send(self, message) -> None:
         if self.too_slow or self.ws.close_code is not None:
             return
-        try:
-            self.outbox.put_nowait(encode(message))
-        except asyncio.QueueFull:
+        if self.outbox.qsize() >= self.app.config.server.send_queue_frames and self.ws.paused:
             self.too_slow = True
+            self.app.metrics.slow_disconnects.inc()
             asyncio.ensure_future(self.ws.close(1008, "client too slow"))
+            return
+        self.outbox.put_nowait(encode(message))
 
     async def write(self) -> None:
         while True:
