@@ -47,7 +47,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
     config = load_cli_config(args, flag_overrides(args, {
         "model": "model.target", "draft": "model.draft", "precision": "model.precision",
         "template": "model.template", "context_tokens": "model.context_tokens",
-        "mode": "request.mode", "max_tokens": "request.max_tokens"}))
+        "mode": "request.mode", "max_tokens": "request.max_tokens", "deadline_ms": "request.deadline_ms"}))
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
         prefix, suffix = document_at(path, line, col)
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["line", "block", "free"], help="sets request.mode")
     p.add_argument("--max-tokens", type=int, help="sets request.max_tokens")
     p.add_argument("--context-tokens", type=int, help="sets model.context_tokens (prompt + completion)")
+    p.add_argument("--deadline-ms", type=float, default=60_000.0,
+                   help="sets request.deadline_ms (default 60 s: a one-shot has no keystroke racing it)")
     p.set_defaults(func=cmd_complete)
 
     p = sub.add_parser("serve", help="serve completions over WebSocket (protocol v1)")

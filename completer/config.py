@@ -47,7 +47,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_document_chars: int = 2_000_000
     max_inflight_per_connection: int = 8
     max_connections: int = 64
-    send_queue_frames: int = 256  # frames buffered for a slow reader before it is dropped
+    send_queue_frames: int = 256  # frames waiting behind a stalled reader before it is disconnected
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -109,7 +109,7 @@ async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_toke
     async with LocalCompleter(lm, draft, config) as completer:
         done = []
         for f, cursor, end in picks:
-            document = Document(f"file:///{f.path}", f.text[:cursor], f.text[end:])
+            document = Document(Path("/", f.path).as_uri(), f.text[:cursor], f.text[end:])
             done.append(await completer.stream(document, options=options).finished())
         return done
 

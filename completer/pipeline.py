@@ -38,8 +38,11 @@ class RequestOptions(msgspec.Struct, frozen=True):
     seed: int | None = None
 
 
-def display_path(uri: str) -> str:
-    """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file header)."""
+def display_path(uri: str) -> str | None:
+    """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file
+    header); None for a document without a name (no header)."""
+    if not uri:
+        return None
     path = unquote(urlsplit(uri).path) or uri
     return "/".join(path.rstrip("/").split("/")[-2:])
 
@@ -63,7 +66,7 @@ class CompletionPipeline:
         backs off its last token, to be re-spelled."""
         arrival = time.perf_counter() if arrival is None else arrival
         state = state or self.document()
-        snippets = [Snippet(display_path(c.uri), c.text) for c in context]
+        snippets = [Snippet(display_path(c.uri) or "", c.text) for c in context]
         prompt = state.update(document.prefix, document.suffix, display_path(document.uri), snippets)
         tokens, heal = prompt.tokens, b""
         if state.builder.template.order != "psm":

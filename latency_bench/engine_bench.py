@@ -6,6 +6,9 @@ everything measured side by side in one run. Prints a table; writes JSON.
 
 Ratios are what count here (the machine is shared and noisy); absolute times
 mean something only on a GPU.
+
+One file past 300 lines on purpose: its five measures share the loaded models
+and one run, so every ratio compares runs made side by side.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def cases(n: int, seed: int) -> list[Document]:
     _, files = heldout_files()
-    return [Document(f"file:///{f.path}", f.text[:cursor], f.text[end:]) for f, cursor, end in line_starts(files, n, seed)]
+    return [Document(Path("/", f.path).as_uri(), f.text[:cursor], f.text[end:])
+            for f, cursor, end in line_starts(files, n, seed)]
 
 
 def median(xs: list[float]) -> float:

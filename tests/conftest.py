@@ -9,6 +9,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+from tiny import code_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def code_tok(tmp_path_factory):
+    """A 320-token byte-level BPE trained on a few lines of code."""
+    return code_tokenizer(tmp_path_factory.mktemp("code_tok"))
+
 
 @pytest.fixture(scope="session")
 def default_model():

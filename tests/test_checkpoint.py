@@ -10,13 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from completer.checkpoint import CheckpointError, load_model, save_model
 from completer.loading import load
-from completer.model import ModelConfig, Transformer
+from completer.model import Transformer
 from completer.tokenizer import train_bpe
+from tiny import tiny_config
 
-TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=32,
-                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                   tie_word_embeddings=True, eos_token_id=0)
+TINY = tiny_config(vocab_size=300, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=0)
 
 
 @pytest.fixture(scope="module")

@@ -16,21 +16,17 @@ from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.engine import Engine
 from completer.engine.request import EngineError, Finished, Request, SamplingParams
-from completer.model import ModelConfig, Transformer
-from completer.tokenizer import train_bpe
+from completer.model import Transformer
+from tiny import tiny_config
 
-CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=320, hidden_size=48,
-                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=12, max_position_embeddings=1024)
-SMALL = ModelConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
-                       "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
-                       "head_dim": 8, "num_hidden_layers": 1})
+CFG = tiny_config(hidden_size=48, intermediate_size=96, head_dim=12, max_position_embeddings=1024)
+SMALL = tiny_config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                    max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 30
-    return train_bpe([text], 320, tmp_path_factory.mktemp("tok"))
+def tokenizer(code_tok):
+    return code_tok
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +59,7 @@ def cut_drafter(target):
     (`completer train draft-from-target`'s starting point)."""
     from completer.training.trainer import drafter_from_teacher
 
-    cfg = ModelConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "num_hidden_layers": 1,
-                         "head_vocab_size": 100, "embedding_from_target": True})
+    cfg = msgspec.structs.replace(CFG, num_hidden_layers=1, head_vocab_size=100, embedding_from_target=True)
     drafter = Transformer(cfg).eval()
     drafter_from_teacher(drafter, target, torch.arange(0, 320, 3)[:100])
     return drafter

@@ -17,15 +17,13 @@ from torch import nn  # noqa: E402
 from completer import fp8  # noqa: E402
 from completer.checkpoint import CheckpointError, config_json, load_model  # noqa: E402
 from completer.fp8 import LINEAR_NAMES, Fp8Linear, quantize_linears, quantize_rows  # noqa: E402
-from completer.model import ModelConfig, Transformer  # noqa: E402
+from completer.model import Transformer  # noqa: E402
+from tiny import tiny_config  # noqa: E402
 
-QWEN = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=256, hidden_size=64,
-                   intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128, qkv_bias=True)
-LLAMA = ModelConfig(architecture="LlamaForCausalLM", vocab_size=200, hidden_size=48,
-                    intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
-                    tie_word_embeddings=True)
+QWEN = tiny_config(architecture="Qwen2ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=160,
+                   head_dim=16, max_position_embeddings=128, qkv_bias=True)
+LLAMA = tiny_config(vocab_size=200, hidden_size=48, intermediate_size=96, head_dim=12,
+                    max_position_embeddings=128, tie_word_embeddings=True)
 
 
 def rel(a, b):

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention  # noqa: E402
 from completer.engine.paged_kv import KVPool  # noqa: E402
-from completer.model import ModelConfig  # noqa: E402
+from tiny import tiny_config  # noqa: E402
 from completer_kernels.fp8_gemm import (expand_block_scales, fp8_gemm_blockwise,  # noqa: E402
                                         fp8_gemm_blockwise_torch, fp8_gemm_rowwise, fp8_gemm_rowwise_torch)
 from completer_kernels.fp8_quant import (FP8, quantize_fp8_blockwise_weight,  # noqa: E402
@@ -145,9 +145,7 @@ def test_paged_decode_attention(partition, tile, dtype):
 def test_paged_attention_matches_the_torch_backend_decode_step():
     """One decode step through the engine's TorchAttention: the kernel over the
     pool it wrote gives the same attention output."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32,
-                      intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = tiny_config(vocab_size=10, intermediate_size=8, num_hidden_layers=1, num_key_value_heads=1)
     bs = 4
     pool = KVPool(cfg, 16, bs)
     pool.k.normal_()
@@ -169,9 +167,7 @@ def test_triton_backend_matches_torch_backend_for_several_new_tokens():
     """A verify-like pass (rows of 3, 1 and 5 new tokens, padded to 5): the
     Triton backend writes the same K/V slots and attends causally among the
     new tokens as the torch backend's gather + SDPA does."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32,
-                      intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = tiny_config(vocab_size=10, intermediate_size=8, num_hidden_layers=1)
     bs = 4
     tables = [[3, 7, 1, 12], [5, 2, 9, 11], [6, 4, 8]]
     num_new = [3, 1, 5]

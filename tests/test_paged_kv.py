@@ -8,20 +8,15 @@ from completer.engine import block_manager
 from completer.engine.attention import AttentionMetadata, TorchAttention
 from completer.engine.block_manager import BlockManager, OutOfBlocks
 from completer.engine.paged_kv import KVPool
-from completer.model import ModelConfig, Transformer
+from tiny import tiny_config, tiny_model
 
-CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=32,
-                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = tiny_config(vocab_size=97)
 BS = 4
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = Transformer(CFG).eval()
-    m.init_weights(0.2)
-    return m
+    return tiny_model(CFG, scale=0.2)
 
 
 def prefill(model, pool, manager, tokens, chunk=None):

@@ -11,7 +11,8 @@ from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.request import Finished, Request, SamplingParams
 from completer.healing import TokenHealer
-from completer.model import ModelConfig, Transformer
+from completer.model import Transformer
+from tiny import tiny_config
 from completer.prompt import PromptBuilder, get_template
 from completer.tokenizer import TextTokenizer
 from sp_tokenizer import llama2_style_tokenizer
@@ -59,9 +60,8 @@ def test_document_prompt_spells_the_window(tk, order):
 
 
 def test_engine_streams_the_text_of_its_tokens(tk):
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=tk.vocab_size, hidden_size=32,
-                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=512)
+    cfg = tiny_config(vocab_size=tk.vocab_size, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16)
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     model.init_weights(0.3)

@@ -73,7 +73,7 @@ class EngineCore:
         runners, pools = {}, {}
         for role, model in models.items():
             n = (num_blocks or {}).get(role) or pool_blocks(model.config, config.kv_cache_mb * share[role],
-                                                            config.block_size, torch.float32)
+                                                            config.block_size)
             pool = KVPool(model.config, n, config.block_size, device=next(model.parameters()).device)
             attention = config.paged_attention
             if attention == "auto":

@@ -1,4 +1,5 @@
-"""The paged K/V tensors of one model.
+"""The paged K/V tensors of one model, in fp32 whatever the weights' precision
+(attention runs in fp32).
 
 Layout: `k[layer]` is [num_blocks * block_size, kv_heads, head_dim], so the
 K/V of token t of a sequence sit at slot `table[t // bs] * bs + t % bs`. A
@@ -13,24 +14,26 @@ import torch
 from completer.model import ModelConfig
 
 
-def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int, dtype: torch.dtype) -> int:
+KV_DTYPE = torch.float32
+
+
+def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int) -> int:
     """How many blocks of K and V fit in `budget_mb`."""
     per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
-        torch.tensor([], dtype=dtype).element_size()
+        torch.tensor([], dtype=KV_DTYPE).element_size()
     return int(budget_mb * 2**20 // per_block)
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed on one thread: a parallel fill would give the building thread an
         # OpenMP team for good (see engine.run_in_passing_thread).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = torch.zeros(shape, dtype=KV_DTYPE, device=device)
+            self.v = torch.zeros(shape, dtype=KV_DTYPE, device=device)
         finally:
             torch.set_num_threads(threads)
         self.block_size = block_size

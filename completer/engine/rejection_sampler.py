@@ -31,6 +31,9 @@ def accept_sampled(proposal: list[int], draft_probs: torch.Tensor | None, logits
     """Rejection sampling. draft_probs: [k, V] (the drafter's q for each draft),
     or None for a point-mass (n-gram) proposal."""
     p = torch.softmax(logits[: len(proposal) + 1].float() / temperature, dim=-1)
+    if generator is not None:  # a seeded generator lives on the CPU
+        p = p.cpu()
+        draft_probs = draft_probs.cpu() if draft_probs is not None else None
     out = []
     for i, drafted in enumerate(proposal):
         q = draft_probs[i] if draft_probs is not None else None

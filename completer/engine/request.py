@@ -35,11 +35,11 @@ class Request(msgspec.Struct, frozen=True):
 class Timings(msgspec.Struct):
     """The protocol's `done.timings`, measured by the engine from the request's arrival."""
 
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
+    queue_ms: float = 0.0  # arrival to admission
+    ttft_ms: float = 0.0  # arrival to the first delta
+    total_ms: float = 0.0  # arrival to the end
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     generated_tokens: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0

@@ -31,4 +31,6 @@ class Sampler:
         if seq.params.temperature <= 0:
             return int(logits.argmax()), None
         p = self.probs(seq, logits)
+        if seq.generator is not None:  # a seeded generator lives on the CPU
+            p = p.cpu()
         return int(torch.multinomial(p, 1, generator=seq.generator)), p

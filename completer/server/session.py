@@ -39,6 +39,8 @@ class Session:
         self.inflight: dict[str, asyncio.Task] = {}  # protocol id -> the task relaying its stream
         self.shown: OrderedDict[str, int] = OrderedDict()  # id -> chars shown, for feedback
         self.outbox: asyncio.Queue[str] = asyncio.Queue()
+        self.writer: asyncio.Task | None = None
+        self.closing: asyncio.Task | None = None
         self.too_slow = False
 
     def engine_id(self, request_id: str) -> str:
@@ -50,7 +52,7 @@ class Session:
         if self.outbox.qsize() >= self.app.config.server.send_queue_frames and self.ws.paused:
             self.too_slow = True
             self.app.metrics.slow_disconnects.inc()
-            asyncio.ensure_future(self.ws.close(1008, "client too slow"))
+            self.closing = asyncio.create_task(self.ws.close(1008, "client too slow"))
             return
         self.outbox.put_nowait(encode(message))
 
@@ -65,15 +67,19 @@ class Session:
                 self.outbox.task_done()
 
     async def flush(self) -> None:
-        """Wait until every queued frame went to the socket."""
-        await self.outbox.join()
+        """Wait until every queued frame went to the socket (or the writer ended: the socket is gone)."""
+        if self.writer is None or self.writer.done():
+            return
+        joined = asyncio.ensure_future(self.outbox.join())
+        await asyncio.wait([joined, self.writer], return_when=asyncio.FIRST_COMPLETED)
+        joined.cancel()
 
     def error(self, request_id: str | None, code: str, message: str) -> None:
         self.app.metrics.errors.labels(code).inc()
         self.send(Error(request_id, code, message))
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self.write())
+        self.writer = writer = asyncio.create_task(self.write())
         try:
             async for frame in self.ws:
                 if isinstance(frame, bytes):
