@@ -12,16 +12,36 @@ ends with the prefix (SPM, and the prefix template).
 
 from __future__ import annotations
 
+import bisect
+from collections import OrderedDict
+
 import torch
 
 from completer.tokenizer import TextTokenizer
 
 
 class TokenHealer:
+    MASKS_KEPT = 512  # distinct pending byte strings whose masks stay cached
+
     def __init__(self, tokenizer: TextTokenizer):
         self.vocab = [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i)
                       for i in range(tokenizer.vocab_size)]
-        self.masks: dict[bytes, torch.Tensor] = {}
+        self.ids_of: dict[bytes, list[int]] = {}  # a token's bytes -> the ids that spell them
+        for i, b in enumerate(self.vocab):
+            if b:
+                self.ids_of.setdefault(b, []).append(i)
+        self.sorted_bytes = sorted(self.ids_of)  # tokens starting with `pending` are a run of these
+        self.masks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def agreeing(self, pending: bytes) -> list[int]:
+        """Tokens that spell a prefix of `pending` (a dictionary lookup per
+        length) or start with all of it (one sorted run): no scan of the vocabulary."""
+        ids = [i for n in range(1, len(pending)) for i in self.ids_of.get(pending[:n], ())]
+        at = bisect.bisect_left(self.sorted_bytes, pending)
+        while at < len(self.sorted_bytes) and self.sorted_bytes[at].startswith(pending):
+            ids += self.ids_of[self.sorted_bytes[at]]
+            at += 1
+        return ids
 
     def allowed(self, pending: bytes, vocab_size: int) -> torch.Tensor:
         """Tokens that agree with `pending`: they spell a prefix of it, or start
@@ -29,9 +49,13 @@ class TokenHealer:
         mask = self.masks.get(pending)
         if mask is None:
             mask = torch.zeros(vocab_size, dtype=torch.bool)
-            for i, b in enumerate(self.vocab[:vocab_size]):
-                mask[i] = bool(b) and (b.startswith(pending) or pending.startswith(b))
+            ids = [i for i in self.agreeing(pending) if i < vocab_size]
+            mask[torch.tensor(ids, dtype=torch.long)] = True
             self.masks[pending] = mask
+            if len(self.masks) > self.MASKS_KEPT:
+                self.masks.popitem(last=False)
+        else:
+            self.masks.move_to_end(pending)
         return mask
 
     @staticmethod

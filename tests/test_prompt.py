@@ -301,3 +301,13 @@ def test_prefix_template_keystrokes_keep_the_window_and_heal_the_cursor(plain_to
     last = prompts[-1]
     tokens, heal = back_off(plain_tok, last.tokens, last.prefix_tokens)
     assert tokens == last.tokens[:-1] and heal == plain_tok.token_bytes(last.tokens[-1])
+
+
+def test_healing_mask_is_every_token_that_agrees_with_the_backed_off_bytes(plain_tok):
+    """The mask from the sorted vocabulary equals the definition checked token by token."""
+    from completer.healing import TokenHealer
+
+    healer = TokenHealer(plain_tok)
+    for pending in (b" ", b"\n    ", b"def", b" self.", b"\xc3", b"zzzz", b" "):  # the last: from the cache
+        want = [bool(b) and (b.startswith(pending) or pending.startswith(b)) for b in healer.vocab]
+        assert healer.allowed(pending, plain_tok.vocab_size).tolist() == want, pending
