@@ -167,18 +167,19 @@ def main(args: argparse.Namespace) -> int:
     print(f"first-line exact match, as served (greedy): {report.exact_match:.1%} at line starts, "
           f"{report.exact_match_mid_line:.1%} mid-line, of {report.exact_match_n} each")
     if draft is not None:
-        acceptance, per_step = draft_acceptance(target, draft, picks[: args.accept_prompts],
-                                                args.context_tokens, args.draft_k)
         report.draft, report.draft_k = draft.name, args.draft_k
         if not draft.model.config.head_vocab_size:  # a reduced head cannot spell every token
             report.draft_bits_per_byte = bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed)
-        report.draft_acceptance, report.draft_tokens_per_step = acceptance, per_step
         report.draft_params = draft.model.config.num_parameters()
         bpb = "" if report.draft_bits_per_byte is None else f"{report.draft_bits_per_byte:.3f} bits/byte, "
         print(f"draft:  {draft.name}, {report.draft_params / 1e6:.2f}M params ({bpb}"
               f"{report.draft_params / report.target_params:.3f} of the target's)")
-        print(f"draft acceptance at k={report.draft_k}, through the engine: {acceptance:.1%} of proposed "
-              f"tokens, {per_step:.2f} tokens per verifying pass")
+        if args.accept_prompts > 0:  # 0: not measured
+            acceptance, per_step = draft_acceptance(target, draft, picks[: args.accept_prompts],
+                                                    args.context_tokens, args.draft_k)
+            report.draft_acceptance, report.draft_tokens_per_step = acceptance, per_step
+            print(f"draft acceptance at k={report.draft_k}, through the engine: {acceptance:.1%} of proposed "
+                  f"tokens, {per_step:.2f} tokens per verifying pass")
     if args.json:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     return 0
