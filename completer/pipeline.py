@@ -85,7 +85,6 @@ class LocalCompleter:
     """An engine and its pipeline in this process; `async with` starts and stops the engine."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: Config):
-        self.config = config
         self.pipeline = CompletionPipeline(target, config)
         self.engine = Engine.build(target, draft, config.engine, config.spec)
         self.count = 0
