@@ -25,6 +25,7 @@ from completer.prompt import Snippet
 from completer.protocol import ContextItem, Document
 
 SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
+DISPLAY_PATH_CHARS = 160
 
 
 class RequestOptions(msgspec.Struct, frozen=True):
@@ -40,18 +41,24 @@ class RequestOptions(msgspec.Struct, frozen=True):
 
 def display_path(uri: str) -> str | None:
     """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file
-    header); None for a document without a name (no header)."""
+    header); None for a document without a name (no header). Any string is a
+    name: one that does not parse as a URI is taken as a path, and only the
+    last DISPLAY_PATH_CHARS chars are kept."""
     if not uri:
         return None
-    path = unquote(urlsplit(uri).path) or uri
-    return "/".join(path.rstrip("/").split("/")[-2:])
+    try:
+        path = unquote(urlsplit(uri).path) or uri
+    except ValueError:  # "http://[": not a URI, still a name
+        path = uri
+    return "/".join(path.rstrip("/").split("/")[-2:])[-DISPLAY_PATH_CHARS:]
 
 
 class CompletionPipeline:
     def __init__(self, target: LoadedModel, config: Config):
         self.target = target
         self.defaults = config.request
-        self.budget = config.model.context_tokens - config.request.max_tokens  # prompt tokens
+        self.window = config.model.context_tokens  # prompt and completion
+        self.budget = self.window - config.request.max_tokens  # prompt tokens
 
     def document(self) -> DocumentPrompt:
         """Prompt state for one document: keystrokes re-tokenize only what changed."""
@@ -73,7 +80,9 @@ class CompletionPipeline:
             tokens, heal = back_off(self.target.tokenizer, prompt.tokens, prompt.prefix_tokens)
         d = self.defaults
         deadline_ms = d.deadline_ms if options.deadline_ms is None else options.deadline_ms
-        params = SamplingParams(max_tokens=options.max_tokens or d.max_tokens, temperature=options.temperature,
+        # A request may ask for more than the default; the window still bounds prompt + completion.
+        max_tokens = min(options.max_tokens or d.max_tokens, self.window - len(tokens))
+        params = SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                                 mode=options.mode or d.mode, stop=options.stop, deadline_s=deadline_ms / 1000,
                                 seed=options.seed)
         prefix = document.prefix

@@ -13,11 +13,14 @@ cache; whatever follows it must be prefilled again on every keystroke.
 from __future__ import annotations
 
 import bisect
+import re
 from typing import Literal
 
 import msgspec
 
 from completer.tokenizer import TextTokenizer
+
+NEWLINE = re.compile("\n")
 
 
 class Snippet(msgspec.Struct, frozen=True):
@@ -120,9 +123,13 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: TextTokenizer, template: FimTemplate, budget: int,
                  suffix_share: float = 0.25, context_share: float = 0.25, step_lines: int = 32):
+        if budget < 1:
+            raise ValueError(f"the prompt budget is {budget} tokens: model.context_tokens must exceed "
+                             f"request.max_tokens")
         self.tok = tokenizer
         self.template = template
         self.budget = budget
+        self.header_budget = max(4, budget // 16)  # a file's name must not crowd out its code
         self.suffix_budget = 0 if template.order == "prefix" else int(budget * suffix_share)
         self.context_budget = int(budget * context_share)
         self.step_lines = step_lines
@@ -150,7 +157,8 @@ class PromptBuilder:
         """`<file_sep>path\\n`, the line that introduces a file (if the family has one)."""
         if self.template.file_sep is None or path is None:
             return []
-        return [self._special[self.template.file_sep]] + self.tok.encode(path + "\n")
+        # The path's tail, where its file name is, within the header budget.
+        return [self._special[self.template.file_sep]] + self.tok.encode(path[-8 * self.header_budget:] + "\n")[-self.header_budget:]
 
     def context_tokens(self, snippets: list[Snippet]) -> list[int]:
         """Snippets in the client's order (most relevant first), whole, while they fit."""
@@ -192,7 +200,7 @@ class PromptBuilder:
         cut = line_end if 0 <= line_end < len(head) else len(head)  # bounded, as `head`
         # Decoding cut tokens may end in a partial char: re-encode whole chars.
         end = len(self.tok.decode(self.tok.encode(suffix[:cut])[: self.suffix_budget]))
-        while len(ids := self.tok.encode(suffix[:end])) > self.suffix_budget:
+        while len(ids := self.tok.encode(suffix[:end])) > self.suffix_budget and end > 0:
             end -= 1
         return end, ids
 
@@ -206,18 +214,28 @@ class PromptBuilder:
         a line too long on its own is cut at a char offset on a similar grid."""
         if budget <= 0:
             return len(prefix), []
-        line_starts = [0] + [i + 1 for i, ch in enumerate(prefix) if ch == "\n"]
-        fit = self._fit_on_grid(prefix, line_starts, budget, self.step_lines)
+        # Code averages ~3 chars/token: a start further than budget*8 chars back
+        # cannot fit, so only the lines after `reach` are listed (the work
+        # follows the window, not the file); `first` numbers the first of them.
+        reach = max(0, len(prefix) - budget * 8)
+        if reach == 0:
+            first, line_starts = 0, [0]
+        else:
+            first, line_starts = prefix.count("\n", 0, reach - 1) + 1, []
+        line_starts += [m.end() for m in NEWLINE.finditer(prefix, max(0, reach - 1))]
+        fit = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, first)
         if fit is None:
-            chars = range(line_starts[-1], len(prefix) + 1)
+            chars = range(prefix.rfind("\n") + 1, len(prefix) + 1)
             fit = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2))
         assert fit is not None  # the empty tail always fits
         return fit
 
-    def _fit_on_grid(self, prefix: str, starts, budget: int, step: int) -> tuple[int, list[int]] | None:
-        """The earliest of `starts` (sorted char offsets) whose index is a multiple
-        of `step` and from which the prefix fits, halving `step` while that keeps
-        less than half the budget; None if none of `starts` fits."""
+    def _fit_on_grid(self, prefix: str, starts, budget: int, step: int,
+                     first_index: int = 0) -> tuple[int, list[int]] | None:
+        """The earliest of `starts` (sorted char offsets, numbered from
+        `first_index`) whose number is a multiple of `step` and from which the
+        prefix fits, halving `step` while that keeps less than half the budget;
+        None if none of `starts` fits."""
         # The word at the cursor (from the last whitespace, within 32 chars) is
         # counted as at least `margin` tokens: merges make its count dip while it
         # is typed, and a dip must not flip the window back and forth.
@@ -241,7 +259,7 @@ class PromptBuilder:
                 lo = mid + 1
         first, step = lo, max(1, step)
         while first < len(starts):
-            i = -(-first // step) * step  # the first start on the grid that fits
+            i = -(-(first + first_index) // step) * step - first_index  # the first start on the grid that fits
             if i < len(starts) and (i == first or 2 * cost(starts[i]) >= budget):
                 ids = self.tok.encode(prefix[starts[i]:])
                 if len(ids) <= budget:

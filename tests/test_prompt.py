@@ -311,3 +311,41 @@ def test_healing_mask_is_every_token_that_agrees_with_the_backed_off_bytes(plain
     for pending in (b" ", b"\n    ", b"def", b" self.", b"\xc3", b"zzzz", b" "):  # the last: from the cache
         want = [bool(b) and (b.startswith(pending) or pending.startswith(b)) for b in healer.vocab]
         assert healer.allowed(pending, plain_tok.vocab_size).tolist() == want, pending
+
+
+@pytest.mark.parametrize("name", ["default", "starcoder", "qwen2.5-coder"])
+def test_every_part_counts_toward_the_window_however_long_the_file_name(toks, name):
+    """A 60,000-char URI once made a 15,009-token prompt for a 1,024 window."""
+    b = builder(toks, name, budget=256)
+    huge = "dir/" + "x" * 60_000 + ".py"
+    assert 1 < len(b.header(huge)) <= 1 + 256 // 16  # the separator and the name
+    prompt = b.build(P, S, huge, [Snippet(huge, "x = 1\n")] * 8)
+    assert len(prompt.tokens) <= 256
+    assert b.tok.decode(b.header(huge)).endswith("xx.py\n")  # the name's tail is what is kept
+
+
+def test_a_budget_of_no_tokens_is_refused_not_looped_on(toks):
+    """context_tokens below max_tokens made a negative budget, and fitting the suffix spun forever."""
+    with pytest.raises(ValueError, match="context_tokens"):
+        builder(toks, "default", budget=-76)
+    b = builder(toks, "default", budget=1)
+    assert b.fit_suffix("y" * 50 + "\n" + S) == (0, [])
+
+
+def test_fitting_the_window_works_on_the_window_not_the_file(toks):
+    """Fitting a 4 MB prefix once listed every line start of the file (180-300 ms
+    on the event loop for a new 2 MB document); what it allocates now follows
+    the window. Measured as memory, which does not depend on the machine's speed."""
+    import tracemalloc
+
+    b = builder(toks, "default", budget=256)
+    small = P * 20
+    large = "x = 1\n" * 700_000 + small  # 4.2 MB of short lines before the same tail
+    peaks = []
+    for prefix in (small, large):
+        tracemalloc.start()
+        fit = b.fit_prefix(prefix, 200)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert prefix[fit[0]:].endswith(P)
+    assert peaks[1] < 4 * peaks[0] + 100_000, peaks

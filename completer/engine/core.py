@@ -174,7 +174,7 @@ class EngineCore:
             proposal = proposals.get(seq.id)
             drafts = proposal.tokens if proposal else []
             row = logits[b] if drafts else self.sampler.constrain(seq, logits[b])  # no drafts while healing
-            if seq.params.temperature <= 0:
+            if seq.params.greedy:
                 out.append(accept_greedy(drafts, row))
             else:
                 probs = proposal.probs if proposal else None

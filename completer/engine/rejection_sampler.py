@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from completer.engine.sampler import softmax_at
+
 
 def accept_greedy(proposal: list[int], logits: torch.Tensor) -> list[int]:
     """logits: [len(proposal) + 1, V] at [last, d1..dk]. Returns the accepted
@@ -30,7 +32,7 @@ def accept_sampled(proposal: list[int], draft_probs: torch.Tensor | None, logits
                    temperature: float, generator: torch.Generator | None) -> list[int]:
     """Rejection sampling. draft_probs: [k, V] (the drafter's q for each draft),
     or None for a point-mass (n-gram) proposal."""
-    p = torch.softmax(logits[: len(proposal) + 1].float() / temperature, dim=-1)
+    p = softmax_at(logits[: len(proposal) + 1], temperature)
     if generator is not None:  # a seeded generator lives on the CPU
         p = p.cpu()
         draft_probs = draft_probs.cpu() if draft_probs is not None else None

@@ -10,6 +10,10 @@ import msgspec
 
 Mode = Literal["line", "block", "free"]
 
+# Below this a temperature is greedy: 1/t overflows float32 near 1e-38 (and
+# 5e-324 is 0.0 in float32), and far above it the draw is already an argmax.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 64
@@ -18,6 +22,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()
     deadline_s: float | None = None  # seconds from the request's arrival
     seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature >= GREEDY_BELOW  # NaN is greedy too
 
 
 class Request(msgspec.Struct, frozen=True):

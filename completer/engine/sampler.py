@@ -11,6 +11,13 @@ from completer.engine.sequence import Sequence
 from completer.healing import TokenHealer
 
 
+def softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / t) over the last dim, shifted by the max first: at a
+    small t the max logit / t alone is inf, and inf - inf is NaN."""
+    logits = logits.float()
+    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
+
+
 class Sampler:
     def __init__(self, healer: TokenHealer):
         self.healer = healer
@@ -22,13 +29,13 @@ class Sampler:
 
     @staticmethod
     def probs(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float() / seq.params.temperature, dim=-1)
+        return softmax_at(logits, seq.params.temperature)
 
     def sample(self, seq: Sequence, logits: torch.Tensor, heal: bool = True) -> tuple[int, torch.Tensor | None]:
         """(token, the distribution it was drawn from; None when greedy)."""
         if heal:
             logits = self.constrain(seq, logits)
-        if seq.params.temperature <= 0:
+        if seq.params.greedy:
             return int(logits.argmax()), None
         p = self.probs(seq, logits)
         if seq.generator is not None:  # a seeded generator lives on the CPU
