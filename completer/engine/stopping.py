@@ -10,6 +10,7 @@ retracted and the deltas always concatenate to the final text.
 from __future__ import annotations
 
 import codecs
+import re
 from typing import Callable
 
 from completer.healing import consume
@@ -82,6 +83,12 @@ class OutputText:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.mode = mode
         self.stop = tuple(s for s in stop if s)
+        # One pass per token over only the text a stop string could newly
+        # start in; the held-back tail is looked up among the strings' heads.
+        self.stop_pattern = re.compile("|".join(map(re.escape, self.stop))) if self.stop else None
+        self.stop_heads = {s[:n] for s in self.stop for n in range(1, len(s))}
+        self.longest_head = max(map(len, self.stop_heads), default=0)
+        self.unscanned = 0  # no stop string starts before this offset of `text`
         self.cursor_line = cursor_line
         nl = suffix.find("\n")
         self.suffix_line = (suffix if nl < 0 else suffix[:nl]).rstrip()
@@ -95,18 +102,20 @@ class OutputText:
             ends.append(line_mode_end(self.text))
         elif self.mode == "block":
             ends.append(block_end(self.text, self.cursor_line))
-        ends += [i if (i := self.text.find(s)) >= 0 else None for s in self.stop]
+        if self.stop_pattern is not None:
+            if (match := self.stop_pattern.search(self.text, self.unscanned)) is not None:
+                ends.append(match.start())
+            self.unscanned = max(0, len(self.text) - self.longest_head)
         found = [e for e in ends if e is not None]
         return min(found) if found else None
 
     def _holdback(self) -> int:
         """Chars at the end that might yet be trimmed."""
         hold = overlap_with_suffix(self.text, self.suffix_line) if self.suffix_line else 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
+        for n in range(min(self.longest_head, len(self.text)), hold, -1):
+            if self.text[-n:] in self.stop_heads:
+                hold = n
+                break
         if self.mode != "free":  # the end of a line may still be cut
             hold = max(hold, len(self.text) - len(self.text.rstrip()))
         return hold
