@@ -135,6 +135,7 @@ class EngineCore:
             torch.set_num_threads(self.prefill_threads)
             for seq, budget in plan.prefill:
                 self._prefill(seq, budget)
+            self._expire()  # a long prefill must not carry others past their deadline into a pass
         decoding = self.scheduler.decoding()
         if decoding:
             torch.set_num_threads(self.decode_threads)
@@ -142,7 +143,12 @@ class EngineCore:
             accepted = self._verify(decoding, proposals)
             for seq, tokens in zip(decoding, accepted):
                 self._postprocess(seq, tokens)
+            self._expire()  # nor wait for the next step to end
         return self.output.drain()
+
+    def _expire(self) -> None:
+        for seq in self.scheduler.expire(time.perf_counter()):
+            self._finish(seq, "deadline")
 
     def _run(self, role: str, seqs: list[Sequence], rows: list[list[int]], last_only: bool = False):
         self.kv.allocate(role, seqs, rows)

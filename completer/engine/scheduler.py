@@ -5,7 +5,7 @@ fits in every pool beside the running sequences' (so decoding never runs out
 of blocks) and fewer than `max_running` run. Prompts are prefilled in chunks:
 at most `prefill_chunk` prompt tokens a step over all sequences, so one long
 prompt cannot stall the others' decoding. Sequences past their deadline are
-handed back to be finished.
+handed back to be finished, here and between a step's passes.
 """
 
 from __future__ import annotations
@@ -48,10 +48,15 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
 
-    def schedule(self, now: float) -> StepPlan:
+    def expire(self, now: float) -> list[Sequence]:
+        """The sequences past their deadline, taken out of the queues."""
         expired = [s for s in (*self.waiting, *self.running) if s.deadline is not None and now > s.deadline]
         for seq in expired:
             self.remove(seq)
+        return expired
+
+    def schedule(self, now: float) -> StepPlan:
+        expired = self.expire(now)
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
         for seq in self.running:
