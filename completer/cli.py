@@ -6,30 +6,36 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
+if TYPE_CHECKING:  # imported where used: `completer --help` stays quick
+    from completer.config import Config
 
-def load_cli_config(args: argparse.Namespace, overrides: list[str]):
+
+def load_cli_config(args: argparse.Namespace, flags: dict[str, str]):
     """The TOML config (--config, else configs/default.toml where it exists)
-    with --set overrides and then the command's own flags; exits with one
-    line naming the problem."""
+    with --set overrides and then the command's own flags (from
+    `flag_overrides`); exits with one line naming the problem and where it
+    was set."""
     from completer.config import DEFAULT_CONFIG, ConfigError, load_config
 
     try:
         # configs/default.toml spells out the built-in defaults; a non-editable
         # install may not have it, and then the defaults are the same.
         default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
-        return load_config(args.config or default, list(args.set or []) + overrides)
+        return load_config(args.config or default, list(args.set or []) + list(flags), spelled=flags)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
 
 
-def flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
-    """`section.key=value` for each flag given (flags: attribute -> key)."""
-    return [f"{key}={json.dumps(getattr(args, attr))}" for attr, key in flags.items()
-            if getattr(args, attr, None) is not None]
+def flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, str]:
+    """`section.key=value` for each flag given (flags: attribute -> key), to
+    the flag as typed (`--port 0`), which an error about the value names."""
+    return {f"{key}={json.dumps(getattr(args, attr))}": f"--{attr.replace('_', '-')} {getattr(args, attr)}"
+            for attr, key in flags.items() if getattr(args, attr, None) is not None}
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
@@ -86,27 +92,95 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def check_models(config: Config) -> None:
+    """What can be known before any weight is read, so that a start that
+    cannot succeed fails before the port is bound: the device exists, each
+    model resolves (the default one is fetched on first use) to a GGUF file
+    or a checkpoint directory whose header reads, and one request over the
+    whole window fits the KV cache. Raises ConfigError, CheckpointError or
+    ModelFetchError, each one line."""
+    import torch
+
+    from completer.checkpoint import CheckpointError, is_gguf, parse_config, weight_files
+    from completer.config import ConfigError
+    from completer.engine.config import kv_cache_problem
+    from completer.gguf_checkpoint import GgufFile
+    from completer.model_store import resolve_draft, resolve_target
+
+    m = config.model
+    try:
+        device = torch.device(m.device)
+    except RuntimeError:
+        raise ConfigError(f"model.device = {m.device!r}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device = {m.device!r}: no CUDA device is available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device = {m.device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    for key in ("tls_cert", "tls_key"):
+        if (path := getattr(config.server, key)) and not Path(path).expanduser().is_file():
+            raise ConfigError(f"server.{key} = {path!r}: file not found")
+
+    def shape(path: Path, key: str):
+        """The model's architecture from its header: GGUF metadata or config.json."""
+        if is_gguf(path):
+            return GgufFile(path).config()  # names the file if missing, unreadable or truncated
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such model file or directory ({key})")
+        weight_files(path)  # names a missing safetensors file
+        return parse_config(path / "config.json")
+
+    target = resolve_target(m.target)
+    shapes = {"target": shape(target, "model.target")}
+    draft = resolve_draft(m.draft, target)
+    if draft is not None:
+        draft_shape = shape(draft, "model.draft")
+        if config.spec.draft_model:  # as EngineCore.build: a drafter left unused gets no KV pool
+            shapes["draft"] = draft_shape
+    if problem := kv_cache_problem(config.engine, config.spec, m.context_tokens, shapes):
+        raise ConfigError(problem.message)
+
+
+def serve_token(args: argparse.Namespace, config: Config) -> tuple[str, str]:
+    """The bearer token and where it came from, first found of: --token,
+    --token-file, $COMPLETER_TOKEN, server.token, else the file at
+    server.token_file (default: the per-user path), created on first start.
+    Raises TokenError, one line."""
     import os
 
-    from completer.checkpoint import CheckpointError
-    from completer.model_store import ModelFetchError
     from completer.server import security
+
+    if args.token is not None:
+        print("warning: --token shows the token to every local user (ps, /proc); "
+              "use --token-file PATH or $COMPLETER_TOKEN", file=sys.stderr, flush=True)
+        return security.check_token(args.token, "--token"), "--token"
+    if args.token_file is not None:
+        path = args.token_file.expanduser()
+        return security.load_or_create_token(path), str(path)
+    if token := os.environ.get("COMPLETER_TOKEN"):
+        return security.check_token(token, "$COMPLETER_TOKEN"), "$COMPLETER_TOKEN"
+    if config.server.token:
+        return security.check_token(config.server.token, "server.token"), "server.token in the config"
+    path = Path(config.server.token_file).expanduser() if config.server.token_file \
+        else security.default_token_path()
+    return security.load_or_create_token(path), str(path)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from completer.checkpoint import CheckpointError
+    from completer.config import ConfigError
+    from completer.model_store import ModelFetchError
     from completer.server.app import run
+    from completer.server.security import TokenError
 
     config = load_cli_config(args, flag_overrides(args, {
         "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target"}))
-    token = args.token or os.environ.get("COMPLETER_TOKEN") or config.server.token
-    if token:
-        source = "given on the command line, in $COMPLETER_TOKEN or in the config"
-    else:
-        path = Path(config.server.token_file).expanduser() if config.server.token_file \
-            else security.default_token_path()
-        token = security.load_or_create_token(path)
-        source = str(path)
     try:
+        check_models(config)
+        # After the checks: this may create the token file, which a start that
+        # fails anyway should not leave behind.
+        token, source = serve_token(args, config)
         return run(config, token, source)
-    except (CheckpointError, ModelFetchError) as e:
+    except (ConfigError, CheckpointError, ModelFetchError, TokenError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: cannot serve on {config.server.host}:{config.server.port}: {e}") from None
@@ -161,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, help="TOML config (default: configs/default.toml)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8750; 0 picks a free one)")
-    p.add_argument("--token", help="bearer token (default: $COMPLETER_TOKEN, or the token file)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token-file", type=Path, metavar="PATH",
+                       help="read the bearer token from PATH (created with a new token if missing); the file "
+                            "must be yours, mode 600, not a symlink. Without this or --token: $COMPLETER_TOKEN, "
+                            "then server.token, then server.token_file (default ~/.config/completer/token)")
+    token.add_argument("--token", help="the bearer token itself (at least 16 characters); every local user "
+                                       "sees it in `ps`: prefer --token-file or $COMPLETER_TOKEN")
     p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default' or "
                                    "'embedded' (sets model.target)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"],

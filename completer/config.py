@@ -1,19 +1,22 @@
 """The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`.
 
 Every key has a default here; a config file or `--set section.key=value`
-overrides it. An unknown section or key, or a value of the wrong type, stops
-the start with a message naming it.
+overrides it. An unknown section or key, a value of the wrong type, or values
+that cannot work together (a completion as long as the whole window) stop the
+start with one line naming the key and where it was set: the file, or the
+`--set` (or flag) that set it.
 """
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.config import ConfigProblem, EngineConfig, SpecConfig, engine_problems, spec_problems
 from completer.engine.request import Mode
 
 
@@ -48,6 +51,9 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight_per_connection: int = 8
     max_connections: int = 64
     send_queue_frames: int = 256  # frames waiting behind a stalled reader before it is disconnected
+    max_documents_per_connection: int = 256  # prompt state kept per connection (least recently used goes)
+    prefix_cache_scope: Literal["shared", "connection"] = "shared"  # who may reuse a prompt's cached K/V
+    public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,10 +65,22 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ConfigError(ValueError):
-    """A config that cannot be used; the message names the file and the key."""
+    """A config that cannot be used; the message names the key and where it was
+    set (the file, or the `--set` or flag)."""
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+
+# The least prompt worth completing from: request.max_tokens must leave this
+# much of model.context_tokens to the prompt (at 0 or below, fitting a prompt
+# into the window cannot succeed).
+MIN_PROMPT_TOKENS = 64
+
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelSection, "request": RequestSection, "engine": EngineConfig, "spec": SpecConfig,
+    "server": ServerSection,
+}
+RENAMED = {"engine.max_tokens": "request.max_tokens", "engine.deadline_ms": "request.deadline_ms"}
 
 
 def parse_override(item: str) -> tuple[str, str, object]:
@@ -79,8 +97,14 @@ def parse_override(item: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-def load_config(path: Path | None = None, overrides: list[str] = ()) -> Config:
-    source = str(path) if path else "defaults"
+def load_config(path: Path | None = None, overrides: list[str] = (),
+                spelled: dict[str, str] | None = None) -> Config:
+    """The config in `path` (None: the defaults) with `section.key=value`
+    overrides applied in order, checked.
+
+    spelled: an override -> how the user wrote it (`--port 0` for the
+    `server.port=0` that flag made), for messages; others are `--set ITEM`."""
+    file_source = str(path) if path else "defaults"
     raw: dict = {}
     if path is not None:
         try:
@@ -89,14 +113,71 @@ def load_config(path: Path | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: config file not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    for name, new in RENAMED.items():
+        section, key = name.split(".")
+        if key in raw.get(section, {}):
+            raise ConfigError(f"{file_source}: {name} is now {new}")
+    _convert(raw, Config, file_source)  # the file's own mistakes are named as the file's
+    set_by: dict[str, str] = {}  # "section.key" -> the override that set it last
     for item in overrides:
+        where = (spelled or {}).get(item) or f"--set {item}"
         section, key, value = parse_override(item)
+        if f"{section}.{key}" in RENAMED:
+            raise ConfigError(f"{where}: {section}.{key} is now {RENAMED[f'{section}.{key}']}")
+        if section not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+        if key not in {f.name for f in msgspec.structs.fields(SECTIONS[section])}:
+            raise ConfigError(f"{where}: unknown key {key!r} in [{section}]")
+        # The section's other keys have defaults, so this checks the value's type alone.
+        _convert({key: value}, SECTIONS[section], where)
         raw.setdefault(section, {})[key] = value
-    for key in ("max_tokens", "deadline_ms"):
-        if key in raw.get("engine", {}):
-            raise ConfigError(f"{source}: engine.{key} is now request.{key}")
+        set_by[f"{section}.{key}"] = where
+    config = _convert(raw, Config, file_source)
+    if found := problems(config):
+        first = found[0]
+        where = next((set_by[k] for k in first.keys if k in set_by), file_source)
+        raise ConfigError(f"{where}: {first.message}")
+    return config
+
+
+def _convert(raw: dict, kind: type[msgspec.Struct], source: str):
     try:
-        return msgspec.convert(raw, Config)
+        return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
         # msgspec names the key: "Object contains unknown field `x` - at `$.engine`".
         raise ConfigError(f"{source}: {e}") from None
+
+
+def problems(config: Config) -> list[ConfigProblem]:
+    """Values that pass their types but cannot work, alone or together; the
+    ones about a single key first."""
+    from completer.prompt import TEMPLATES  # here: the prompt module is not needed to read a config
+
+    m, r, s = config.model, config.request, config.server
+    found = engine_problems(config.engine) + spec_problems(config.spec)
+    if m.template and m.template not in TEMPLATES:
+        found.append(ConfigProblem(("model.template",), f"model.template = {m.template!r}: unknown "
+                                   f"(known: {', '.join(TEMPLATES)}, or \"\" to detect it)"))
+    if m.order not in ("", "psm", "spm"):
+        found.append(ConfigProblem(("model.order",), f"model.order = {m.order!r}: must be \"psm\", \"spm\" or \"\""))
+    if r.max_tokens < 1:
+        found.append(ConfigProblem(("request.max_tokens",), f"request.max_tokens = {r.max_tokens}: must be at least 1"))
+    if not (r.deadline_ms > 0 and math.isfinite(r.deadline_ms)):  # NaN fails too
+        found.append(ConfigProblem(("request.deadline_ms",),
+                                   f"request.deadline_ms = {r.deadline_ms}: must be a positive number"))
+    if not 0 <= s.port <= 65535:
+        found.append(ConfigProblem(("server.port",), f"server.port = {s.port}: must be 0 (any free port) to 65535"))
+    for key in ("max_frame_bytes", "max_document_chars", "max_inflight_per_connection", "max_connections",
+                "send_queue_frames", "max_documents_per_connection"):
+        if getattr(s, key) < 1:
+            found.append(ConfigProblem((f"server.{key}",), f"server.{key} = {getattr(s, key)}: must be at least 1"))
+    if s.tls_key and not s.tls_cert:
+        found.append(ConfigProblem(("server.tls_key", "server.tls_cert"),
+                                   "server.tls_key is set but server.tls_cert is not: TLS needs both"))
+    if not found and m.context_tokens - r.max_tokens < MIN_PROMPT_TOKENS:
+        found.append(ConfigProblem(
+            ("request.max_tokens", "model.context_tokens"),
+            f"request.max_tokens = {r.max_tokens} must leave at least {MIN_PROMPT_TOKENS} tokens of "
+            f"model.context_tokens = {m.context_tokens} to the prompt: lower it to "
+            f"{m.context_tokens - MIN_PROMPT_TOKENS} or less, or raise model.context_tokens"))
+    return found

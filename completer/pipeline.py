@@ -37,6 +37,7 @@ class RequestOptions(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()
     deadline_ms: float | None = None
     seed: int | None = None
+    cache_salt: str = ""  # who may share this request's cached prefix (see server.prefix_cache_scope)
 
 
 def display_path(uri: str) -> str | None:
@@ -87,7 +88,8 @@ class CompletionPipeline:
                                 seed=options.seed)
         prefix = document.prefix
         return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
-                       suffix=document.suffix[:SUFFIX_FOR_TRIMMING], heal=heal, arrival=arrival)
+                       suffix=document.suffix[:SUFFIX_FOR_TRIMMING], heal=heal, arrival=arrival,
+                       cache_salt=options.cache_salt)
 
 
 class LocalCompleter:

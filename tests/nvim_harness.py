@@ -34,7 +34,8 @@ def server_on(port: int, *settings: str, token: str = TOKEN):
 
 def metric(server: ServerProcess, name: str) -> float:
     """The value of an unlabelled sample of the server's /metrics."""
-    with urllib.request.urlopen(server.http + "/metrics", timeout=30) as r:
+    request = urllib.request.Request(server.http + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
         body = r.read().decode()
     m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
     assert m, f"{name} not in /metrics"

@@ -10,13 +10,13 @@ import re
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import websockets
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "test-token-123"
+TOKEN = "test-token-1234567890"  # servers refuse tokens under 16 characters
 
 
 class ServerProcess:
@@ -113,3 +113,84 @@ async def collect_all(ws, ids: list[str]) -> dict[str, tuple[list[str], dict]]:
         else:
             out[rid] = (deltas, msg)
     return out
+
+
+class InProcessServer:
+    """The real App serving in this process, for tests that look inside it."""
+
+    def __init__(self, app, port: int, stop, serving):
+        self.app, self.port, self.stop, self.serving = app, port, stop, serving
+        self.server = ServerProcess(None, port, [])  # what `connect` takes
+
+
+@asynccontextmanager
+async def in_process_server(*settings: str, sock=None):
+    """`App` on a listening socket (an ephemeral loopback one unless given),
+    the embedded models, `settings` as `--set` items; stops when the block ends."""
+    import asyncio
+    import socket
+
+    from completer.config import load_config
+    from completer.server.app import App
+
+    app = App(load_config(None, ['model.target="embedded"', *settings]), TOKEN)
+    if sock is None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+    ready, stop = asyncio.Event(), asyncio.Event()
+    serving = asyncio.create_task(app.serve(stop, lambda port, loaded=None: loaded and ready.set(), sock=sock))
+    waiting = asyncio.ensure_future(ready.wait())
+    await asyncio.wait([serving, waiting], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        serving.result()  # raises what stopped it
+    waiting.cancel()
+    try:
+        yield InProcessServer(app, sock.getsockname()[1], stop, serving)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 60)
+
+
+def small_buffer_listener():
+    """A loopback listening socket whose accepted sockets have small send
+    buffers (loopback's would otherwise absorb a megabyte before a reader
+    that stopped reading is noticed)."""
+    import socket
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # inherited by accepted sockets
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener
+
+
+async def never_reading_client(port: int, frames: list[str]):
+    """A bare socket that completes the handshake, sends `frames` and never
+    reads again (a client library would read into its own buffers). Returns
+    the socket; the caller closes it."""
+    import asyncio
+    import socket
+
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/ws"))
+    handshake = protocol.connect()
+    handshake.headers["Authorization"] = f"Bearer {TOKEN}"
+    protocol.send_request(handshake)
+    await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
+    events = []
+    while not events:  # byte by byte: nothing past the 101 is read
+        protocol.receive_data(await asyncio.wait_for(loop.sock_recv(sock, 1), 30))
+        events = protocol.events_received()
+    assert events[0].status_code == 101, events[0]
+    for frame in frames:
+        protocol.send_text(frame.encode())
+    await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
+    return sock

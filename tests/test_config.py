@@ -45,3 +45,100 @@ def test_bad_file(tmp_path):
     (tmp_path / "unknown.toml").write_text("[engine]\nwarp = 9\n")
     with pytest.raises(ConfigError, match=r"unknown.toml: .*warp"):
         load_config(tmp_path / "unknown.toml")
+
+
+def message_of(overrides: list[str], path: Path | None = CONFIGS / "default.toml") -> str:
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, overrides)
+    return str(refused.value)
+
+
+def test_an_unknown_set_key_is_blamed_on_the_set_not_the_file():
+    message = message_of(["engine.warp=1"])
+    assert message.startswith("--set engine.warp=1: ") and "warp" in message
+    assert "default.toml" not in message
+
+
+def test_a_flag_is_named_as_typed():
+    with pytest.raises(ConfigError, match=r"^--port 99999: server\.port"):
+        load_config(None, ["server.port=99999"], spelled={"server.port=99999": "--port 99999"})
+
+
+@pytest.mark.parametrize("override, keys", [
+    # the whole window for the completion: the prompt budget would be negative (issue #13: a loop at 100% CPU)
+    ("request.max_tokens=1100", ["request.max_tokens", "model.context_tokens"]),
+    ("request.max_tokens=961", ["request.max_tokens", "model.context_tokens"]),  # 63 prompt tokens left
+    ("model.context_tokens=100", ["request.max_tokens", "model.context_tokens"]),
+    ("request.max_tokens=0", ["request.max_tokens"]),
+    ("request.deadline_ms=0", ["request.deadline_ms"]),
+    ("request.deadline_ms=nan", ["request.deadline_ms"]),
+    ("engine.kv_cache_mb=0", ["engine.kv_cache_mb"]),
+    ("engine.kv_cache_mb=-1.5", ["engine.kv_cache_mb"]),
+    ("engine.block_size=0", ["engine.block_size"]),
+    ("engine.max_running=0", ["engine.max_running"]),
+    ("engine.max_queue=0", ["engine.max_queue"]),
+    ("engine.prefill_chunk=0", ["engine.prefill_chunk"]),
+    ("engine.threads=-1", ["engine.threads"]),
+    ("spec.k_max=-1", ["spec.k_max"]),
+    ("spec.k_init=9", ["spec.k_init", "spec.k_max"]),
+    ("spec.ngram_min=0", ["spec.ngram_min"]),
+    ("spec.ngram_max=1", ["spec.ngram_max", "spec.ngram_min"]),
+    ("spec.draft_share=0", ["spec.draft_share"]),
+    ("spec.draft_share=1", ["spec.draft_share"]),
+    ("server.port=70000", ["server.port"]),
+    ("server.max_frame_bytes=0", ["server.max_frame_bytes"]),
+    ("server.max_connections=0", ["server.max_connections"]),
+    ("server.send_queue_frames=0", ["server.send_queue_frames"]),
+    ("server.tls_key=key.pem", ["server.tls_key", "server.tls_cert"]),
+    ("model.order=xyz", ["model.order"]),
+    ("model.template=nope", ["model.template"]),
+])
+def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(override, keys):
+    message = message_of([override])
+    assert message.startswith(f"--set {override}: "), message
+    assert all(key in message for key in keys), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["request.max_tokens=960"],  # leaves exactly the 64-token minimum to the prompt
+    ["spec.k_init=8"], ["spec.k_max=0", "spec.k_init=0"], ["spec.ngram_min=1", "spec.ngram_max=1"],
+    ["spec.draft_model=false", "spec.draft_share=0"],  # no drafter, no share to give it
+    ["server.port=0"], ["engine.threads=0"],
+])
+def test_values_at_their_bounds_load(overrides):
+    assert isinstance(load_config(CONFIGS / "default.toml", overrides), Config)
+
+
+def test_a_relation_broken_in_the_file_names_the_file(tmp_path):
+    (tmp_path / "long.toml").write_text("[request]\nmax_tokens = 1100\n")
+    assert message_of([], tmp_path / "long.toml").startswith(f"{tmp_path / 'long.toml'}: request.max_tokens")
+
+
+def test_the_kv_cache_size_suggested_holds_one_full_window_and_a_tenth_less_does_not():
+    """kv_cache_problem, on the embedded target's and drafter's shapes: the
+    size it asks for is enough for a request over the whole window, and it is
+    the least (to a tenth of a MB); the engine's own worst case agrees."""
+    import re
+
+    from completer.checkpoint import parse_config
+    from completer.engine.block_manager import BlockManager
+    from completer.engine.config import EngineConfig, SpecConfig, kv_cache_problem
+    from completer.engine.kv_cache_manager import KVCacheManager
+    from completer.engine.paged_kv import pool_blocks
+    from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
+
+    shapes = {"target": parse_config(EMBEDDED_TARGET / "config.json"),
+              "draft": parse_config(EMBEDDED_DRAFT / "config.json")}
+    spec, context = SpecConfig(), 1024
+    assert kv_cache_problem(EngineConfig(), spec, context, shapes) is None  # the default 256 MB
+    problem = kv_cache_problem(EngineConfig(kv_cache_mb=0.01), spec, context, shapes)
+    assert problem is not None and "engine.kv_cache_mb" in problem.message
+    enough = float(re.search(r"at least ([0-9.]+)", problem.message).group(1))
+    assert kv_cache_problem(EngineConfig(kv_cache_mb=enough), spec, context, shapes) is None
+    assert kv_cache_problem(EngineConfig(kv_cache_mb=enough - 0.1), spec, context, shapes) is not None
+    # The engine, built on that budget, takes a full-window request.
+    share = {"target": 1 - spec.draft_share, "draft": spec.draft_share}
+    pools = {role: BlockManager(pool_blocks(cfg, enough * share[role], 16), 16) for role, cfg in shapes.items()}
+    kv = KVCacheManager(pools, spec.k_max + 1)
+    assert kv.too_large(context - 64, 64) is None

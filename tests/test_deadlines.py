@@ -4,10 +4,13 @@ within one pass of its deadline, not a whole (long) step later."""
 import time
 
 from completer.engine.request import Finished, Request, SamplingParams
-from test_engine import make_core, models, prompts, run, tokenizer  # noqa: F401 (fixtures)
+import test_engine
+from test_engine import make_core, prompts, run
+
+models, tokenizer = test_engine.models, test_engine.tokenizer  # the engine tests' fixtures
 
 
-def test_a_long_prefill_does_not_carry_a_decoding_request_past_its_deadline(models, tokenizer):  # noqa: F811
+def test_a_long_prefill_does_not_carry_a_decoding_request_past_its_deadline(models, tokenizer):
     core = make_core(models, tokenizer)
     short, long_prompt = prompts(2, seed=4)
     run(core, [Request("warm-up", short, SamplingParams(max_tokens=4, mode="free"))])  # first passes are slow

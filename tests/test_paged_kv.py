@@ -113,3 +113,18 @@ def test_a_digest_collision_never_serves_other_tokens(monkeypatch):
     assert manager.match_prefix(b) == ([], [])
     assert manager.match_prefix(a)[0] == ta[:1]  # the right tokens still match
 
+
+
+def test_prompts_under_different_salts_never_share_blocks():
+    """A shared cache lets one user time whether another's prompt starts with a
+    guess (cached_tokens 416 vs 64); a salt per user or session closes that."""
+    manager = BlockManager(32, BS)
+    tokens = list(range(100, 100 + 5 * BS + 1))
+    table, chain = manager.match_prefix(tokens, salt="alice")
+    manager.grow(table, len(tokens))
+    manager.publish(table, chain, tokens, len(tokens), salt="alice")
+    manager.release(table)
+    for salt in ("bob", ""):
+        assert manager.match_prefix(tokens, salt=salt) == ([], [])
+    again, _ = manager.match_prefix(tokens, salt="alice")
+    assert again == table[:5]

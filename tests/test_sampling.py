@@ -5,10 +5,13 @@ import torch
 
 from completer.engine.request import Request, SamplingParams
 from completer.engine.sampler import softmax_at
-from test_engine import make_core, models, prompts, run, tokenizer  # noqa: F401 (fixtures)
+import test_engine
+from test_engine import make_core, prompts, run
+
+models, tokenizer = test_engine.models, test_engine.tokenizer  # the engine tests' fixtures
 
 
-def test_a_tiny_temperature_is_greedy_and_fails_no_other_request(models, tokenizer):  # noqa: F811
+def test_a_tiny_temperature_is_greedy_and_fails_no_other_request(models, tokenizer):
     core = make_core(models, tokenizer, spec=None)
     p = prompts(1, seed=5)[0]
     temperatures = {"t0": 0.0, "t1e-40": 1e-40, "t5e-324": 5e-324, "t1e-6": 1e-6, "t0.7": 0.7}

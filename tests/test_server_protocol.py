@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from server_harness import collect, collect_all, complete_msg, connect, running_server
+from server_harness import TOKEN, collect, collect_all, complete_msg, connect, running_server
 
 SETTINGS = ("server.max_document_chars=20000", "server.max_frame_bytes=65536",
             "server.max_inflight_per_connection=3")
@@ -22,7 +22,8 @@ def server():
 
 
 def get(server, path):
-    with urllib.request.urlopen(server.http + path, timeout=30) as r:
+    request = urllib.request.Request(server.http + path, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
         return r.status, r.headers.get("Content-Type"), r.read()
 
 

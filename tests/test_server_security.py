@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from server_harness import TOKEN, ServerProcess, collect, complete_msg, connect, running_server
+from server_harness import (TOKEN, ServerProcess, collect, complete_msg, connect, in_process_server,
+                            never_reading_client, running_server, small_buffer_listener)
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 
@@ -100,7 +101,7 @@ async def test_client_library_sees_401():
 
 def scrape(server) -> dict[str, float]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("GET", "/metrics")
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     text = conn.getresponse().read().decode()
     values = {}
     for family in text_string_to_metric_families(text):
@@ -112,7 +113,7 @@ def scrape(server) -> dict[str, float]:
 
 def stats(server) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("GET", "/v1/stats")
+    conn.request("GET", "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
     return json.loads(conn.getresponse().read())
 
 
@@ -195,69 +196,146 @@ async def test_a_reader_that_never_reads_is_disconnected_and_its_neighbour_goes_
     """`server.send_queue_frames` bounds what waits for a reader whose socket
     stopped taking frames: the connection is closed (and counted), the queue
     does not grow without end, and another session keeps completing. The real
-    server runs in this process on a listening socket with small kernel
-    buffers (loopback's would otherwise absorb a megabyte first); the slow
-    reader is a bare socket (a client library would read into its own buffers)."""
-    import socket
-
-    from websockets.client import ClientProtocol
-    from websockets.uri import parse_uri
-
-    from completer.config import load_config
-    from completer.server.app import App
-
-    config = load_config(None, ['model.target="embedded"', "server.send_queue_frames=16",
-                                "request.deadline_ms=30000"])
-    app = App(config, TOKEN)
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # inherited by accepted sockets
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    ready, stop = asyncio.Event(), asyncio.Event()
-    serving = asyncio.create_task(app.serve(stop, lambda port, loaded=None: loaded and ready.set(), sock=listener))
-    await asyncio.wait_for(ready.wait(), 120)
+    server runs in this process, so the test can look at the queue."""
+    frames = [complete_msg(f"s{i}", "def f(x):\n    ", uri=f"file:///s{i}.py", mode="free", max_tokens=400)
+              for i in range(8)]  # deltas pile up behind the full socket
     loop = asyncio.get_running_loop()
+    async with in_process_server("server.send_queue_frames=16", "request.deadline_ms=120000",
+                                 sock=small_buffer_listener()) as s:
+        app = s.app
+        sock = await never_reading_client(s.port, frames)
+        try:
+            for _ in range(2400):  # 120 s: a loaded machine decodes slowly
+                if app.metrics.slow_disconnects._value.get() >= 1:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the reader that never reads was not disconnected")
+            (slow,) = [session for session in app.sessions if session.too_slow]
+            # The bound holds give or take what arrived while the writer was not yet blocked (a busy
+            # loop can let several steps' deltas in at once); the 8 requests would have made ~3200.
+            queued = slow.outbox.qsize()
+            assert queued < 16 + 8 * 16, queued
+            async with connect(s.server) as neighbour:
+                await neighbour.send(complete_msg("n", PREFIX, mode="free", max_tokens=6))
+                deltas, done = await collect(neighbour, "n")
+                assert done["type"] == "done" and done["text"] == "".join(deltas)
+            assert slow.outbox.qsize() <= queued  # nothing more was queued for the closed reader
+            with pytest.raises((ConnectionResetError, EOFError)):  # closed: read what got through, then the end
+                while True:
+                    if not await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+                        raise EOFError
+        finally:
+            sock.close()
+
+
+# -- token handling at start ------------------------------------------------------
+# Imports here: these tests were added at the end of the file.
+import os  # noqa: E402
+import re  # noqa: E402
+import stat  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from server_harness import stop_server  # noqa: E402
+from test_startup import refused, serve_until_listening, start  # noqa: E402
+
+SHORT = "fifteen-chars-x"  # one under the minimum
+
+
+def private_file(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def config_home(tmp_path) -> tuple[dict, Path]:
+    """An $XDG_CONFIG_HOME with its completer directory (0700), as the server
+    makes it; (the environment to start with, the default token path there)."""
+    (tmp_path / "completer").mkdir(mode=0o700)
+    return {"XDG_CONFIG_HOME": str(tmp_path), "COMPLETER_TOKEN": ""}, tmp_path / "completer" / "token"
+
+
+@pytest.mark.parametrize("source", ["--token", "--token-file", "$COMPLETER_TOKEN", "server.token"])
+def test_a_token_under_16_characters_is_refused_from_every_source(source, tmp_path):
+    args, (env, _) = ["--model", "embedded"], config_home(tmp_path)
+    if source == "--token":
+        args += ["--token", SHORT]
+    elif source == "--token-file":
+        args += ["--token-file", str(private_file(tmp_path / "mine", SHORT + "\n"))]
+    elif source == "$COMPLETER_TOKEN":
+        env["COMPLETER_TOKEN"] = SHORT
+    else:
+        args += ["--set", f'server.token="{SHORT}"']
+    error = refused(*args, env=env)
+    assert "15 characters" in error and "at least 16" in error and SHORT not in error
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o602])  # group may read; others may write
+def test_a_token_file_group_or_others_may_read_or_write_is_refused(mode, tmp_path):
+    env, path = config_home(tmp_path)
+    private_file(path, TOKEN + "\n", mode)
+    assert f"chmod 600 {path}" in refused("--model", "embedded", env=env)
+
+
+def test_a_symlink_at_the_token_path_is_refused_not_followed(tmp_path):
+    """Both to an existing private token file, and dangling (creating the
+    token through it would write it wherever it points)."""
+    env, path = config_home(tmp_path)
+    path.symlink_to(private_file(tmp_path / "elsewhere", TOKEN + "\n"))
+    assert "symbolic link" in refused("--model", "embedded", env=env)
+    path.unlink()
+    path.symlink_to(tmp_path / "planted")
+    assert "symbolic link" in refused("--model", "embedded", env=env)
+    assert not (tmp_path / "planted").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_token_file_another_user_owns_is_refused(tmp_path):
+    env, path = config_home(tmp_path)
+    os.chown(private_file(path, TOKEN + "\n"), 65534, 65534)
+    assert "owned by uid 65534" in refused("--model", "embedded", env=env)
+
+
+def test_token_on_the_command_line_is_warned_about():
+    status, output = serve_until_listening("--model", "embedded", "--token", TOKEN)
+    assert status is None, output
+    assert any(line.startswith("warning: --token") and "--token-file" in line for line in output.splitlines())
+
+
+def test_a_missing_token_file_is_created_private_and_kept(tmp_path):
+    """Created 0600 in a 0700 directory, whole (no temporary file left
+    beside it), and read back unchanged by the next start."""
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "COMPLETER_TOKEN": ""}
+    path = tmp_path / "completer" / "token"
+    status, output = serve_until_listening("--model", "embedded", env=env)
+    assert status is None, output
+    assert f"token: {path}" in output and "warning" not in output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    token = path.read_text().strip()
+    assert len(token) >= 16 and os.listdir(path.parent) == ["token"]
+    status, output = serve_until_listening("--model", "embedded", env=env)
+    assert status is None and path.read_text().strip() == token, output
+
+
+@pytest.mark.parametrize("source", ["--token-file", "$COMPLETER_TOKEN"])
+async def test_a_token_from_a_file_or_the_environment_is_the_one_served(source, tmp_path):
+    token = "from-" + source.strip("-$").lower() + "-0123456789"
+    args, env = ["--model", "embedded"], {"XDG_CONFIG_HOME": str(tmp_path)}
+    if source == "--token-file":
+        args += ["--token-file", str(private_file(tmp_path / "mine", token + "\n"))]
+    else:
+        env["COMPLETER_TOKEN"] = token
+    proc, lines = start(*args, env=env, until="ready")
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", port))
-        protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/ws"))
-        handshake = protocol.connect()
-        handshake.headers["Authorization"] = f"Bearer {TOKEN}"
-        protocol.send_request(handshake)
-        await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
-        events = []
-        while not events:  # byte by byte: nothing past the 101 is read
-            protocol.receive_data(await asyncio.wait_for(loop.sock_recv(sock, 1), 30))
-            events = protocol.events_received()
-        assert events[0].status_code == 101
-        for i in range(8):  # then never read again: deltas pile up behind the full socket
-            protocol.send_text(complete_msg(f"s{i}", "def f(x):\n    ", uri=f"file:///s{i}.py", mode="free",
-                                            max_tokens=400).encode())
-        await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
-        for _ in range(600):
-            if app.metrics.slow_disconnects._value.get() >= 1:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the reader that never reads was not disconnected")
-        (slow,) = [s for s in app.sessions if s.too_slow]
-        # The bound holds give or take what arrived while the writer was not yet blocked (a busy
-        # loop can let several steps' deltas in at once); the 8 requests would have made ~3200.
-        queued = slow.outbox.qsize()
-        assert queued < 16 + 8 * 16, queued
-        async with connect(ServerProcess(None, port, [])) as neighbour:
-            await neighbour.send(complete_msg("n", PREFIX, mode="free", max_tokens=6))
-            deltas, done = await collect(neighbour, "n")
-            assert done["type"] == "done" and done["text"] == "".join(deltas)
-        assert slow.outbox.qsize() <= queued  # nothing more was queued for the closed reader
-        with pytest.raises((ConnectionResetError, EOFError)):  # closed: read what got through, then the end
-            while True:
-                if not await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
-                    raise EOFError
+        output = "".join(lines)
+        assert "ready" in output and "warning" not in output, output
+        server = ServerProcess(proc, int(re.search(r"127\.0\.0\.1:(\d+)/v1/ws", output).group(1)), lines)
+        async with connect(server, token=token) as ws:
+            await ws.send(json.dumps({"type": "hello"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+        with pytest.raises(InvalidStatus):
+            async with connect(server, token=TOKEN):
+                pass
     finally:
-        sock.close()
-        stop.set()
-        await asyncio.wait_for(serving, 60)
+        stop_server(proc)
+        proc.stdout.close()

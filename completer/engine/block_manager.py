@@ -7,7 +7,9 @@ same tokens reuses it (vLLM's automatic prefix caching). The key is looked up
 by a 64-bit digest, and every hit is checked against the stored key, so a
 digest collision can never serve another prompt's K/V. The identity of a
 published block is a serial number, never reused: blocks computed after a
-parent that was since evicted can no longer be matched.
+parent that was since evicted can no longer be matched. A chain may start
+from a salt instead of 0 (vLLM's cache_salt): prompts under different salts
+never share blocks, so one user cannot time another's cache hits.
 
 A block nobody references stays cached on an LRU list and is only recycled
 when a new block is needed and no never-used block is left: each editor
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-BlockKey = tuple[int, tuple[int, ...]]  # (parent block's serial, 0 for the first; the block's tokens)
+BlockKey = tuple[int | str, tuple[int, ...]]  # (parent block's serial, or for the first the salt; its tokens)
 
 
 class OutOfBlocks(RuntimeError):
@@ -81,11 +83,11 @@ class BlockManager:
         block = self.cached.get(block_digest(key))
         return block if block is not None and self.key[block] == key else None
 
-    def _key(self, tokens: list[int], index: int, chain: list[int]) -> BlockKey:
+    def _key(self, tokens: list[int], index: int, chain: list[int], salt: str) -> BlockKey:
         bs = self.block_size
-        return (chain[index - 1] if index else 0, tuple(tokens[index * bs: (index + 1) * bs]))
+        return (chain[index - 1] if index else salt or 0, tuple(tokens[index * bs: (index + 1) * bs]))
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def match_prefix(self, tokens: list[int], salt: str = "") -> tuple[list[int], list[int]]:
         """Take references on the cached blocks that start `tokens`; returns
         their table and chain. The last token is never matched, so its logits
         are always computed (and no shared block is ever written)."""
@@ -94,7 +96,7 @@ class BlockManager:
         if not self.prefix_cache:
             return table, chain
         for index in range((len(tokens) - 1) // self.block_size):
-            block = self._lookup(self._key(tokens, index, chain))
+            block = self._lookup(self._key(tokens, index, chain, salt))
             if block is None:
                 break
             self._ref(block)
@@ -113,14 +115,15 @@ class BlockManager:
         for _ in range(needed):
             table.append(self._take_free())
 
-    def publish(self, table: list[int], chain: list[int], tokens: list[int], num_computed: int) -> None:
+    def publish(self, table: list[int], chain: list[int], tokens: list[int], num_computed: int,
+                salt: str = "") -> None:
         """Publish the full blocks of tokens[:num_computed] (their K/V computed)
         not yet in `chain`, extending it. A block whose content is already
         cached elsewhere continues the chain from that copy."""
         if not self.prefix_cache:
             return
         for index in range(len(chain), num_computed // self.block_size):
-            key = self._key(tokens, index, chain)
+            key = self._key(tokens, index, chain, salt)
             found = self._lookup(key)
             if found is None:
                 if block_digest(key) in self.cached:

@@ -142,10 +142,6 @@ class Engine:
             self._cond.notify()
         return stream
 
-    def in_flight(self, supersede: str) -> bool:
-        """Whether a request submitted under this key has not finished yet."""
-        return supersede in self._latest
-
     def cancel(self, request_id: str) -> None:
         with self._cond:
             self._inbox.append(("cancel", request_id))

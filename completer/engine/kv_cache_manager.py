@@ -44,7 +44,7 @@ class KVCacheManager:
         fits = True
         for role, pool in self.pools.items():
             state = seq.kv[role]
-            state.table, state.chain = pool.match_prefix(seq.tokens)
+            state.table, state.chain = pool.match_prefix(seq.tokens, seq.cache_salt)
             state.computed = len(state.table) * self.block_size
             need = self.worst_case(seq.prompt_len, seq.params.max_tokens) - len(state.table)
             fits &= need <= pool.num_free - self._reserved(role, running)
@@ -68,7 +68,7 @@ class KVCacheManager:
     def publish(self, seq: Sequence, role: str) -> None:
         """seq.tokens[:computed] are accepted: offer their full blocks to the prefix cache."""
         state = seq.kv[role]
-        self.pools[role].publish(state.table, state.chain, seq.tokens, state.computed)
+        self.pools[role].publish(state.table, state.chain, seq.tokens, state.computed, seq.cache_salt)
 
     def free(self, seq: Sequence) -> None:
         for role, pool in self.pools.items():

@@ -35,6 +35,7 @@ class Request(msgspec.Struct, frozen=True):
     cursor_line: str = ""  # the prefix's last line (block mode's indentation)
     suffix: str = ""  # text after the cursor (trims what it already has)
     heal: bytes = b""  # token healing: bytes backed off the prompt, to be re-spelled first
+    cache_salt: str = ""  # prefix-cache blocks are shared only among requests with the same salt
     # time.perf_counter() when the request arrived (a frame read off the
     # socket): queueing, TTFT, total time and the deadline count from here.
     arrival: float = msgspec.field(default_factory=time.perf_counter)

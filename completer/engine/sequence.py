@@ -36,6 +36,7 @@ class Sequence:
         self.tokens = list(request.prompt)
         self.prompt_len = len(request.prompt)
         self.params = request.params
+        self.cache_salt = request.cache_salt
         self.output = output
         self.status = Status.WAITING
         self.kv = {role: CacheState() for role in roles}

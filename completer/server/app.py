@@ -2,9 +2,9 @@
 
     /v1/ws       the editor protocol (token, Origin and Host checked first)
     /healthz     200 once the models are loaded (503 before)
-    /metrics     Prometheus exposition
-    /dashboard   the live latency dashboard
-    /v1/stats    the dashboard's figures as JSON
+    /metrics     Prometheus exposition (token, unless server.public_metrics)
+    /dashboard   the live latency dashboard (open it with ?token=TOKEN)
+    /v1/stats    the dashboard's figures as JSON (token)
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from urllib.parse import urlsplit
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from completer.checkpoint import CheckpointError
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.loading import LoadedModel, load_models
+from completer.model_store import ModelFetchError
 from completer.pipeline import CompletionPipeline
 from completer.server import security
-from completer.server.metrics import Metrics
+from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
 
 SHUTDOWN_GRACE_S = 5.0
@@ -44,6 +46,7 @@ class App:
         self.pipeline: CompletionPipeline | None = None
         self.sessions: set[Session] = set()
         self.connections = 0
+        self.stopping = False  # shutting down: no new requests start
         self.scheme = "https" if config.server.tls_cert else "http"
         self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
 
@@ -55,8 +58,18 @@ class App:
         self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
                                               m.order or None, m.device)
 
-    async def start_engine(self) -> None:
-        await asyncio.to_thread(run_in_passing_thread, self.load_models)
+    async def start_engine(self, on_loaded=None) -> None:
+        """Load the models, call `on_loaded()`, then build and start the engine."""
+        try:
+            await asyncio.to_thread(run_in_passing_thread, self.load_models)
+        except (CheckpointError, ModelFetchError):
+            raise
+        except Exception as e:  # torch, safetensors, memory: still one line naming the model
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{self.config.model.target}: cannot load the model "
+                                  f"({type(e).__name__}: {first_line})") from e
+        if on_loaded is not None:
+            on_loaded()
         engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec)
         engine.start()
         self.pipeline = CompletionPipeline(self.target, self.config)
@@ -78,13 +91,25 @@ class App:
         return self.respond(conn, status, json.dumps(value).encode(), "application/json")
 
     def update_gauges(self) -> None:
-        m = self.metrics
-        m.sessions.set(len(self.sessions))
+        """What is true now, read when scraped, into the gauges and /v1/stats.
+        Runs on the event loop (all_tasks is its tasks); the engine thread may
+        be changing the lists and pools read here, and len() of them is atomic."""
+        live = Live(sessions=len(self.sessions), event_loop_tasks=len(asyncio.all_tasks()),
+                    requests_in_flight=sum(len(s.inflight) for s in self.sessions))
         if self.engine is not None:
             core = self.engine.core
-            m.running.set(len(core.scheduler.running))
-            m.waiting.set(len(core.scheduler.waiting))
-            m.kv_usage.set(core.kv.usage())
+            live.running = len(core.scheduler.running)
+            live.waiting = len(core.scheduler.waiting)
+            live.kv_cache_usage = core.kv.usage()
+            # Block 0 is scratch, never free nor handed out; a free block may
+            # still hold cached K/V, but no sequence references it.
+            live.kv_blocks_used = {role: pool.num_blocks - 1 - pool.num_free for role, pool in core.kv.pools.items()}
+        self.metrics.set_live(live)
+
+    def unauthorized(self, conn: ServerConnection) -> Response:
+        response = conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="completer"'
+        return response
 
     def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         host = request.headers.get("Host")
@@ -92,12 +117,20 @@ class App:
             return conn.respond(http.HTTPStatus.FORBIDDEN, "Host not allowed (the server is bound to loopback)\n")
         path = urlsplit(request.path).path
         ready = self.engine is not None
+        # The figures tell when, and how much, someone types: they need the
+        # token like the model does. /healthz tells nothing of the kind, and
+        # the dashboard's page holds no figures (it fetches them with the token).
+        token_ok = security.token_matches(self.token, request.headers.get("Authorization"), request.path)
         if path == "/healthz":
             return self.json_response(conn, 200 if ready else 503, {"status": "ok" if ready else "loading"})
         if path == "/metrics":
+            if not (token_ok or self.config.server.public_metrics):
+                return self.unauthorized(conn)
             self.update_gauges()
             return self.respond(conn, 200, self.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
         if path == "/v1/stats":
+            if not token_ok:
+                return self.unauthorized(conn)
             self.update_gauges()
             return self.json_response(conn, 200, self.metrics.stats())
         if path == "/dashboard":
@@ -107,8 +140,8 @@ class App:
         if not security.origin_allowed(request.headers.get("Origin"), host, self.scheme,
                                        self.config.server.allowed_origins):
             return conn.respond(http.HTTPStatus.FORBIDDEN, "Origin not allowed\n")
-        if not security.token_matches(self.token, request.headers.get("Authorization"), request.path):
-            return conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        if not token_ok:
+            return self.unauthorized(conn)
         if not ready:
             return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "models are loading\n")
         if len(self.sessions) >= self.config.server.max_connections:
@@ -127,17 +160,33 @@ class App:
             self.sessions.discard(session)
             self.metrics.sessions.set(len(self.sessions))
 
-    async def shutdown(self) -> None:
-        """End every request in flight with `done` (cancelled), then stop."""
+    async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Start nothing new; end every request in flight with `done` (cancelled)
+        and send those frames, within `grace_s`."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
         for session in list(self.sessions):
             for request_id in list(session.inflight):
                 self.engine.cancel(session.engine_id(request_id))
         pending = [t for s in self.sessions for t in s.inflight.values()]
         if pending:
-            await asyncio.wait(pending, timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(pending, timeout=max(0.0, end - loop.time()))
         flushing = [asyncio.ensure_future(s.flush()) for s in self.sessions]
         if flushing:  # the `done` frames out to the sockets
-            await asyncio.wait(flushing, timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(flushing, timeout=max(0.0, end - loop.time()))
+
+    async def close_connections(self, server, timeout_s: float) -> None:
+        """The close handshake with every connection; those that have not
+        answered within `timeout_s` (a reader that stopped reading never will)
+        are dropped."""
+        server.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(server.wait_closed()), max(0.0, timeout_s))
+        except TimeoutError:
+            for session in list(self.sessions):
+                session.ws.transport.abort()
+            await server.wait_closed()
 
     async def serve(self, stop: asyncio.Event, on_listening=None, sock: socket.socket | None = None) -> None:
         """Serve until `stop`; on `server.host`/`port`, or on a listening `sock` given."""
@@ -151,9 +200,10 @@ class App:
                          max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
                          ping_interval=20, ping_timeout=20) as server:
             port = server.sockets[0].getsockname()[1]
-            if on_listening is not None:
-                on_listening(port)
-            loading = asyncio.create_task(self.start_engine())
+            # "listening" is said once the models have loaded, so a model that fails to load ends
+            # the start with its error alone; bound before, /healthz answers 503 while they load.
+            announce = (lambda: on_listening(port)) if on_listening is not None else None
+            loading = asyncio.create_task(self.start_engine(announce))
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
             if loading.done() and loading.exception() is not None:
@@ -161,10 +211,11 @@ class App:
             if on_listening is not None and loading.done():
                 on_listening(port, self)
             await stopped
+            # One grace for all of it: draining the requests, then the close handshakes.
+            end = asyncio.get_running_loop().time() + SHUTDOWN_GRACE_S
             if self.engine is not None:
                 await self.shutdown()
-            server.close()
-            await server.wait_closed()
+            await self.close_connections(server, end - asyncio.get_running_loop().time())
         if self.engine is not None:
             self.engine.stop()
 

@@ -35,8 +35,13 @@ class Session:
         self.app = app
         self.ws = ws
         self.key = f"c{number}"
-        self.documents: dict[str, DocumentPrompt] = {}
+        self.documents: OrderedDict[str, DocumentPrompt] = OrderedDict()  # by URI, least recently used first
         self.inflight: dict[str, asyncio.Task] = {}  # protocol id -> the task relaying its stream
+        self.document_of: dict[str, str] = {}  # protocol id in flight -> its document's URI
+        self.latest: dict[str, str] = {}  # URI -> the id of its newest request in flight
+        # Ids a newer keystroke in the same document replaced: still in flight
+        # until the engine ends them, but holding no slot of the connection's.
+        self.superseded: set[str] = set()
         self.shown: OrderedDict[str, int] = OrderedDict()  # id -> chars shown, for feedback
         self.outbox: asyncio.Queue[str] = asyncio.Queue()
         self.writer: asyncio.Task | None = None
@@ -121,20 +126,20 @@ class Session:
 
     def invalid(self, msg: Complete) -> tuple[str, str] | None:
         limits = self.app.config.server
-        size = len(msg.document.prefix) + len(msg.document.suffix) + sum(len(c.text) for c in msg.context)
+        # Ranges and per-field lengths were checked as the frame was decoded (protocol.py).
+        d = msg.document
+        size = len(d.uri) + len(d.prefix) + len(d.suffix) + sum(len(c.uri) + len(c.text) for c in msg.context) \
+            + sum(map(len, msg.stop))
         if size > limits.max_document_chars:
             return "too_large", f"document and context hold {size} characters; the limit is {limits.max_document_chars}"
         if msg.id in self.inflight:
             return "bad_request", f"id {msg.id!r} is already in flight on this connection"
-        if msg.max_tokens is not None and msg.max_tokens < 1:
-            return "bad_request", "max_tokens must be at least 1"
-        if msg.temperature < 0:
-            return "bad_request", "temperature must not be negative"
-        if msg.deadline_ms is not None and msg.deadline_ms <= 0:
-            return "bad_request", "deadline_ms must be positive"
-        superseded = self.app.engine.in_flight(self.supersede_key(msg.document.uri))
-        if len(self.inflight) - superseded >= limits.max_inflight_per_connection:
-            return "overloaded", f"{len(self.inflight)} requests in flight on this connection"
+        if self.app.stopping:
+            return "overloaded", "the server is shutting down"
+        # The keystroke the user wants now is never the one refused: the one it supersedes frees its slot.
+        live = len(self.inflight) - len(self.superseded) - (msg.document.uri in self.latest)
+        if live >= limits.max_inflight_per_connection:
+            return "overloaded", f"{live} requests in flight on this connection (other documents)"
         return None
 
     def start(self, msg: Complete, received: float) -> None:
@@ -144,11 +149,13 @@ class Session:
             self.error(msg.id, *problem)
             return
         app, uri = self.app, msg.document.uri
-        state = self.documents.get(uri)
-        if state is None:
-            state = self.documents[uri] = app.pipeline.document()
+        state = self.documents.pop(uri, None) or app.pipeline.document()
+        self.documents[uri] = state
+        while len(self.documents) > app.config.server.max_documents_per_connection:
+            self.documents.popitem(last=False)  # its next keystroke builds its prompt afresh
+        salt = self.key if app.config.server.prefix_cache_scope == "connection" else ""
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                 stop=tuple(msg.stop), deadline_ms=msg.deadline_ms)
+                                 stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt)
         try:
             request = app.pipeline.request(self.engine_id(msg.id), msg.document, msg.context, options, state,
                                            arrival=received)
@@ -156,9 +163,23 @@ class Session:
             self.error(msg.id, "internal", f"{type(e).__name__}: {e}")
             return
         stream = app.engine.submit(request, supersede=self.supersede_key(uri))
+        if (older := self.latest.get(uri)) is not None:
+            self.superseded.add(older)
+        self.latest[uri] = msg.id
+        self.document_of[msg.id] = uri
         task = asyncio.create_task(self.relay(msg.id, stream, received))
         self.inflight[msg.id] = task
-        task.add_done_callback(lambda _: self.inflight.pop(msg.id) if self.inflight.get(msg.id) is task else None)
+        task.add_done_callback(lambda _: self.release(msg.id, task))
+
+    def release(self, request_id: str, task: asyncio.Task | None = None) -> None:
+        """Forget a request in flight (its id is free again); `task`: only if it is still that one's."""
+        if request_id not in self.inflight or task is not None and self.inflight[request_id] is not task:
+            return
+        del self.inflight[request_id]
+        self.superseded.discard(request_id)
+        uri = self.document_of.pop(request_id)
+        if self.latest.get(uri) == request_id:
+            del self.latest[uri]
 
     async def relay(self, request_id: str, stream: RequestStream, received: float) -> None:
         app = self.app
@@ -166,13 +187,16 @@ class Session:
             async for delta in stream:
                 self.send(Delta(request_id, delta.text))
         except EngineError as e:
+            self.release(request_id)  # before the answer: the client may reuse the id at once
             self.error(request_id, e.code, str(e))
             return
         except Exception as e:  # never let one request take the connection down
             app.engine.cancel(self.engine_id(request_id))
+            self.release(request_id)
             self.error(request_id, "internal", f"{type(e).__name__}: {e}")
             return
         done = stream.result
+        self.release(request_id)
         # Remember before sending: the client may answer `done` with feedback at once.
         self.remember_shown(request_id, len(done.text))
         self.send(Done(request_id, done.reason, done.text, done.timings))

@@ -32,7 +32,8 @@ export function pythonExecutable(): string {
 }
 
 export class Server {
-  private constructor(readonly proc: ChildProcess, readonly port: number, readonly log: string[]) {}
+  private constructor(readonly proc: ChildProcess, readonly port: number, readonly log: string[],
+    readonly token: string) {}
 
   get url(): string {
     return `ws://127.0.0.1:${this.port}/v1/ws`;
@@ -72,7 +73,7 @@ export class Server {
           }
           if (line.includes('ready') && found !== undefined) {
             clearTimeout(timer);
-            resolve(new Server(proc, found, log));
+            resolve(new Server(proc, found, log, token));
           }
         }
       });
@@ -99,9 +100,13 @@ export class Server {
     });
   }
 
-  /** A Prometheus counter from /metrics (0 when absent). */
+  /** A Prometheus counter from /metrics (0 when absent; the route needs the token). */
   async counter(name: string): Promise<number> {
-    const text = await (await fetch(`${this.http}/metrics`)).text();
+    const response = await fetch(`${this.http}/metrics`, { headers: { Authorization: `Bearer ${this.token}` } });
+    if (!response.ok) {
+      throw new Error(`/metrics answered ${response.status}`);
+    }
+    const text = await response.text();
     const m = new RegExp(`^${name} ([0-9.e+-]+)$`, 'm').exec(text);
     return m ? Number(m[1]) : 0;
   }

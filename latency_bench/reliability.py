@@ -1,0 +1,353 @@
+"""RELIABILITY.md, regenerated: the long fuzz (latency_bench/fuzz.py), the soak
+and the fairness run (latency_bench/soak.py), each a subprocess writing its
+JSON under docs/results/, then the page rendered from those files alone.
+
+    python latency_bench/reliability.py                 # fuzz 100000 frames, soak 1800 s, fairness
+    python latency_bench/reliability.py --from-json     # re-render from docs/results/, running nothing
+
+This module also holds what a soak or fairness result is (the soak writes
+them, the page reads them) and the invariants a soak must hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PAGE = ROOT / "RELIABILITY.md"
+FUZZ = ROOT / "latency_bench" / "fuzz.py"
+JSON = {name: RESULTS / f"reliability_{name}.json" for name in ("fuzz", "soak", "fairness", "run")}
+
+
+# -- what a run measured ----------------------------------------------------------
+
+class Machine(msgspec.Struct):
+    platform: str
+    cpu: str
+    cores: int
+    memory_gb: float
+    python: str
+    commit: str
+    uncommitted_changes: bool
+    load_average: list[float]  # 1, 5, 15 minutes, when the run ended: the machine may be shared
+
+
+class KvPlan(msgspec.Struct):
+    kv_cache_mb: float
+    pool_blocks: dict[str, int]  # role -> blocks
+    full_window_blocks: int  # what the longest request reserves
+    fits: bool
+
+
+class Gauges(msgspec.Struct):
+    kv_blocks_used: dict[str, float] | None  # completer_kv_blocks_used{pool}, where the server has it
+    kv_usage: float | None  # completer_kv_cache_usage_perc (target pool): the fallback
+    tasks: float | None  # completer_event_loop_tasks
+    in_flight: float | None  # completer_requests_in_flight
+
+    def kv_in_use(self) -> float | None:
+        return sum(self.kv_blocks_used.values()) if self.kv_blocks_used is not None else self.kv_usage
+
+
+class Sample(msgspec.Struct, array_like=True):
+    t: float  # seconds since the load started
+    rss_mb: float
+    kv_in_use: float | None  # None: /metrics did not answer in time
+    tasks: float | None
+    in_flight: float | None
+
+
+class Minute(msgspec.Struct):
+    minute: int
+    shown: int  # completions an editor would show (done, not cancelled)
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+class SoakResult(msgspec.Struct):
+    date: str
+    machine: Machine
+    command: str
+    kv: KvPlan
+    editors: int
+    duration_s: float
+    sent: int
+    outcomes: dict[str, int]  # done:REASON, error:CODE, unanswered, duplicate, after_terminal, abandoned, ...
+    events: dict[str, int]  # what the editors did: keystrokes, bursts, disconnects, long files, ...
+    server_closes: dict[str, int]  # close code -> connections the server closed
+    drain_s: float
+    # Full prompt blocks prefilled by requests that got a token: each published
+    # new content, so more than kv.pool_blocks["target"] means the cache evicted.
+    prompt_blocks_computed: int
+    cache_hit_rate: float | None
+    time_to_done: list[Minute]
+    cancelled_p50_ms: float | None  # time to the `done` of a superseded or cancelled request
+    cancelled_p99_ms: float | None
+    p99_drift: float | None  # last minute's p99 / the first's
+    rss_mb_after_warmup: float
+    rss_mb_end: float
+    rss_mb_max: float
+    samples: list[Sample]
+    baseline: Gauges
+    after_drain: Gauges
+    healthz_after: bool
+    fresh_completion_after: str
+    server_exit_code: int | None  # None: still serving at the end
+    server_log_tail: list[str]
+
+
+class Phase(msgspec.Struct):
+    editors: int
+    requests: int
+    p50_ms: float
+    p99_ms: float
+    outcomes: dict[str, int]
+    deadline_share: float
+
+
+class FairnessResult(msgspec.Struct):
+    date: str
+    machine: Machine
+    command: str
+    rounds: int
+    requests_per_editor: int
+    alone: Phase
+    together: Phase
+    p99_ratio: float
+    aim: float = 3.0  # the issue's: 32 editors' p99 at most 3x one editor's
+
+
+class RunRecord(msgspec.Struct):
+    date: str
+    machine: Machine
+    command: str
+    exit_codes: dict[str, int | None]  # None: not run
+
+
+def machine() -> Machine:
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+              if ln.startswith("model name")] if cpuinfo.exists() else []
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return Machine(platform.platform(), models[0] if models else platform.processor(), psutil.cpu_count(),
+                   round(psutil.virtual_memory().total / 2**30, 1), platform.python_version(),
+                   git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain")),
+                   [round(x, 1) for x in psutil.getloadavg()])
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def violations(r: SoakResult) -> list[str]:
+    """The soak's invariants that did not hold (none: all did)."""
+    out = []
+    if r.server_exit_code is not None:
+        out.append(f"the server exited (code {r.server_exit_code})")
+    for name in ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close"):
+        if r.outcomes.get(name):
+            out.append(f"{r.outcomes[name]} {name}")
+    if r.after_drain.kv_in_use() != r.baseline.kv_in_use():
+        out.append(f"KV in use after the drain {r.after_drain.kv_in_use()}, baseline {r.baseline.kv_in_use()}")
+    if r.after_drain.tasks != r.baseline.tasks:
+        out.append(f"event loop tasks after the drain {r.after_drain.tasks}, baseline {r.baseline.tasks}")
+    if not r.healthz_after or not r.fresh_completion_after.startswith("done:"):
+        out.append(f"afterwards: /healthz ok {r.healthz_after}, a fresh completion {r.fresh_completion_after}")
+    return out
+
+
+# -- the page ---------------------------------------------------------------------
+
+def num(x) -> str:
+    """A figure as a reader wants it: no `.0` on counts, `-` for none."""
+    if x is None:
+        return "-"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def table(header: tuple[str, ...], rows) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(num(c) for c in row) + " |" for row in rows), ""]
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} minutes"
+
+
+def soak_section(r: SoakResult) -> list[str]:
+    e, kv, broken = r.events, r.kv, violations(r)
+    g = lambda name: e.get(name, 0)  # noqa: E731
+    lines = [f"## Soak: {r.editors} editors, {duration(r.duration_s)}", "",
+             f"`{r.command}` ({r.date})", "",
+             f"- {r.editors} simulated editors typed pip's sources into their own documents (300-4000 chars, "
+             f"growing a key at a time): {g('keystrokes')} keystrokes, one `complete` each, ~150 ms apart with "
+             f"jitter, {g('bursts')} bursts of 5-30 keys 3-20 ms apart (supersede storms), {g('cancels')} "
+             f"explicit cancels, {g('disconnects_clean')} clean and {g('disconnects_abrupt')} abrupt disconnects "
+             f"(each followed by a reconnect), {g('long_files')} files of 200-500 KB opened and typed into.",
+             f"- KV budget `engine.kv_cache_mb={kv.kv_cache_mb:g}`: pools of {kv.pool_blocks} blocks; a "
+             f"full-window request reserves {kv.full_window_blocks}. Requests that got a token prefilled "
+             f"{r.prompt_blocks_computed} full blocks of new prompt, "
+             f"{r.prompt_blocks_computed / kv.pool_blocks['target']:.1f}x the target pool (past 1x the prefix "
+             f"cache must have evicted); their cache hit rate "
+             f"{'-' if r.cache_hit_rate is None else f'{r.cache_hit_rate:.0%}'}.",
+             f"- After typing stopped, the last answer came {r.drain_s:.1f} s later; the editors then left.", "",
+             "Every `complete` on a connection still open gets exactly one `done` or `error` "
+             "(`unanswered`, `duplicate`, `after_terminal` and `unknown_id` must be 0; `abandoned` counts "
+             "requests pending when an editor itself disconnected):", ""]
+    lines += table(("outcome", "requests"), sorted(r.outcomes.items()))
+    if r.server_closes:
+        lines += [f"Connections the server closed, by close code: {r.server_closes}.", ""]
+    def kv(g: Gauges) -> str:
+        if g.kv_blocks_used is None:
+            return num(g.kv_usage)
+        return ", ".join(f"{pool} {num(n)}" for pool, n in sorted(g.kv_blocks_used.items()))
+
+    lines += table(("server", "KV blocks in use", "event loop tasks", "requests in flight"),
+                   [(name, kv(x), x.tasks, x.in_flight)
+                    for name, x in (("before the load", r.baseline), ("after the drain", r.after_drain))])
+    if r.baseline.kv_blocks_used is None:
+        lines += ["(KV is the target pool's share in use: the server had no `completer_kv_blocks_used`; "
+                  "`-`: no such gauge.)", ""]
+    peak = lambda name: max((v for s in r.samples if (v := getattr(s, name)) is not None), default=None)  # noqa: E731
+    lines += [f"Sampled every few seconds during the load: at most {num(peak('in_flight'))} requests in flight, "
+              f"{num(peak('tasks'))} event loop tasks, {num(peak('kv_in_use'))} KV in use. A superseded or "
+              f"cancelled request got its `done` (cancelled) in {num(r.cancelled_p50_ms)} ms at the median, "
+              f"{num(r.cancelled_p99_ms)} ms at p99.", ""]
+    lines += [f"Server RSS: {r.rss_mb_after_warmup:.0f} MB after warm-up, {r.rss_mb_end:.0f} MB at the end, "
+              f"{r.rss_mb_max:.0f} MB at most. Afterwards `/healthz` answered "
+              f"{'200' if r.healthz_after else 'no 200'} and a fresh completion ended "
+              f"`{r.fresh_completion_after}`.", "",
+              "Time to done (frame sent to `done` read) of the completions an editor would show "
+              "(not cancelled), by the minute they were asked in:", ""]
+    lines += table(("minute", "shown", "p50 ms", "p99 ms"),
+                   [(m.minute, m.shown, m.p50_ms, m.p99_ms) for m in r.time_to_done])
+    if r.p99_drift is not None:
+        lines += [f"p99 of the last minute / the first: {r.p99_drift:.2f}x.", ""]
+    lines += ["Invariants: " + ("all held." if not broken else "**broken**: " + "; ".join(broken)), ""]
+    if broken:
+        lines += ["The server's last lines:", "", "```", *(ln.rstrip("\n") for ln in r.server_log_tail), "```", ""]
+    return lines
+
+
+def fairness_section(r: FairnessResult) -> list[str]:
+    lines = [f"## Fairness: 1 editor alone vs {r.together.editors} together", "",
+             f"`{r.command}` ({r.date})", "",
+             f"Closed loop (each editor sends its next keystroke when the last is answered), default config; "
+             f"{r.rounds} round(s) alternating alone ({r.alone.requests // r.rounds} keys) and together "
+             f"({r.requests_per_editor} keys per editor).", ""]
+    lines += table(("editors", "requests", "p50 ms", "p99 ms", "deadline hit", "outcomes"),
+                   [(p.editors, p.requests, p.p50_ms, p.p99_ms, f"{p.deadline_share:.1%}",
+                     ", ".join(f"{k} {v}" for k, v in sorted(p.outcomes.items())))
+                    for p in (r.alone, r.together)])
+    verdict = "within" if r.p99_ratio <= r.aim else "**beyond**"
+    if r.alone.deadline_share > 0.01:
+        lines += [f"**Caveat**: alone, {r.alone.deadline_share:.0%} of requests already hit their deadline (load "
+                  f"average {r.machine.load_average} on {r.machine.cores} cores): the machine was too busy for "
+                  "the ratio to say much.", ""]
+    return lines + [f"p99 ratio, {r.together.editors} editors vs 1: **{r.p99_ratio:.1f}x**, {verdict} the aim "
+                    f"of {r.aim:g}x (the issue's baseline: 139 ms vs 2,657 ms, 19x, 10% of requests past "
+                    f"their deadline).", ""]
+
+
+def fuzz_section(fuzz: dict) -> list[str]:
+    """latency_bench/fuzz.py's JSON as it is: its top-level figures."""
+    lines = ["## Fuzz", "", f"`{fuzz.get('command', 'python latency_bench/fuzz.py')}`", ""]
+    return lines + table(("figure", "value"), [(k, json.dumps(v)[:300]) for k, v in fuzz.items() if k != "command"])
+
+
+def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: FairnessResult | None) -> str:
+    m = run.machine
+    lines = ["# Reliability", "",
+             f"Generated by `{run.command}` on {run.date}; do not edit by hand: "
+             "`python latency_bench/reliability.py --from-json` re-renders it from "
+             "`docs/results/reliability_*.json`, and without it re-runs everything.", "",
+             f"Machine: {m.cpu}, {m.cores} cores, {m.memory_gb:g} GB; {m.platform}; Python {m.python}; load average "
+             f"{m.load_average} when the runs ended; commit "
+             f"{m.commit}{' with uncommitted changes' if m.uncommitted_changes else ''}. The server is "
+             "`completer serve --model embedded` on CPU; times are what a client on the same machine saw.", ""]
+    fuzz_figures = ", ".join(f"{fuzz[k]} {k.replace('_', ' ')}" for k in ("unanswered", "wrong_answers",
+                                                                          "connections_lost") if k in (fuzz or {}))
+    summary = [("fuzz", "not run" if fuzz is None else f"{fuzz.get('frames', '?')} frames",
+                fuzz_figures or "see below")]
+    if soak is not None:
+        broken = violations(soak)
+        summary[1:] = [("soak", f"{soak.editors} editors, {duration(soak.duration_s)}, {soak.sent} requests",
+                        "invariants held" if not broken else f"{len(broken)} invariants broken")]
+    if fairness is not None:
+        summary.append(("fairness", f"1 vs {fairness.together.editors} editors, closed loop",
+                        f"p99 {fairness.p99_ratio:.1f}x (aim {fairness.aim:g}x)"
+                        + (", machine too busy: see the caveat" if fairness.alone.deadline_share > 0.01 else "")))
+    lines += table(("run", "how much", "result"), summary)
+    code = run.exit_codes.get("fuzz")
+    lines += fuzz_section(fuzz) if fuzz is not None else ["## Fuzz", "", (
+        "Not run: latency_bench/fuzz.py was not there when this page was generated." if code is None
+        else f"latency_bench/fuzz.py exited {code} without writing its JSON."), ""]
+    lines += soak_section(soak) if soak is not None else []
+    lines += fairness_section(fairness) if fairness is not None else []
+    return "\n".join(lines)
+
+
+# -- the command ------------------------------------------------------------------
+
+def run_all(fuzz_frames: int, soak_s: float, fairness_requests: int, command: str) -> None:
+    """Each run a subprocess writing its JSON; a run that finds a broken
+    invariant exits 1 and still writes it: the page shows what broke."""
+    py, out = sys.executable, {name: str(path.relative_to(ROOT)) for name, path in JSON.items()}
+    runs = {"fuzz": [py, "latency_bench/fuzz.py", "--frames", str(fuzz_frames), "--json", out["fuzz"]],
+            "soak": [py, "latency_bench/soak.py", "--duration", f"{soak_s:g}", "--json", out["soak"]],
+            "fairness": [py, "latency_bench/soak.py", "--fairness", "--requests", str(fairness_requests),
+                         "--json", out["fairness"]]}
+    exit_codes: dict[str, int | None] = {}
+    for name, cmd in runs.items():
+        JSON[name].unlink(missing_ok=True)  # never a page mixing this run with an older one
+        if name == "fuzz" and not FUZZ.exists():
+            print("latency_bench/fuzz.py is not there: the fuzz is left out", file=sys.stderr)
+            exit_codes[name] = None
+            continue
+        print("+ " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+        exit_codes[name] = subprocess.run(cmd, cwd=ROOT).returncode
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    JSON["run"].write_bytes(msgspec.json.format(msgspec.json.encode(RunRecord(now(), machine(), command,
+                                                                              exit_codes))))
+
+
+def load(name: str, kind):
+    path = JSON[name]
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()) if kind is dict else msgspec.json.decode(path.read_bytes(), type=kind)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fuzz-frames", type=int, default=100_000)
+    ap.add_argument("--soak-duration", type=float, default=1800.0, help="seconds")
+    ap.add_argument("--fairness-requests", type=int, default=20, help="keys per editor per round")
+    ap.add_argument("--from-json", action="store_true", help="re-render the page from docs/results/ only")
+    args = ap.parse_args()
+    if not args.from_json:
+        run_all(args.fuzz_frames, args.soak_duration, args.fairness_requests,
+                "python latency_bench/reliability.py " + " ".join(sys.argv[1:]))
+    run = load("run", RunRecord)
+    if run is None:
+        raise SystemExit(f"{JSON['run']} is missing: run without --from-json first")
+    PAGE.write_text(page(run, load("fuzz", dict), load("soak", SoakResult), load("fairness", FairnessResult)))
+    print(f"wrote {PAGE.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""A bounded soak against the real server (32 editors typing for 60 s, with
+supersede storms, cancels, disconnects, a long file and a KV budget a few
+full-window requests fill): the invariants of docs/protocol.md and of a
+server that gives back what it took. Speed is not asserted here; latency_bench/soak.py
+and RELIABILITY.md report it."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "latency_bench"))
+import soak  # noqa: E402
+
+OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return soak.run_soak(editors=32, duration=60.0, seed=13)
+
+
+def test_the_server_survives_the_soak(result):
+    assert result.server_exit_code is None, "".join(result.server_log_tail)
+    assert result.server_closes == {}, result.server_closes
+
+
+def test_the_load_exercised_storms_cancels_disconnects_and_a_long_file(result):
+    e = result.events
+    assert e["keystrokes"] > 1000 and e["bursts"] and e["cancels"] and e["long_files"], e
+    assert e.get("disconnects_clean", 0) + e.get("disconnects_abrupt", 0) > 0, e
+
+
+def test_every_request_fits_the_small_kv_budget(result):
+    # How much the cache evicted depends on how fast the machine is: reported, not asserted.
+    assert result.kv.fits and result.kv.pool_blocks["target"] < 4 * result.kv.full_window_blocks
+    assert "error:too_large" not in result.outcomes, result.outcomes
+
+
+def test_every_complete_on_an_open_connection_is_answered_exactly_once(result):
+    o = result.outcomes
+    assert {name: o[name] for name in OWED if o.get(name)} == {}, o
+    # The books balance: each request sent ended one way (answered, or pending when its editor left).
+    answered = sum(n for name, n in o.items() if name.startswith(("done:", "error:")))
+    ended = answered + sum(o.get(name, 0) for name in ("abandoned", "unanswered", "lost_on_server_close"))
+    assert ended == result.sent, o
+
+
+def test_kv_blocks_in_use_return_to_baseline_after_the_drain(result):
+    assert result.baseline.kv_blocks_used is not None, "the server exposes completer_kv_blocks_used"
+    assert result.after_drain.kv_blocks_used == result.baseline.kv_blocks_used
+
+
+def test_event_loop_tasks_and_requests_in_flight_return_to_baseline_after_the_drain(result):
+    assert result.baseline.tasks is not None, "the server exposes completer_event_loop_tasks"
+    assert result.after_drain.tasks == result.baseline.tasks
+    assert result.after_drain.in_flight == 0
+
+
+def test_the_server_answers_health_and_a_fresh_completion_after_the_soak(result):
+    assert result.healthz_after
+    assert result.fresh_completion_after.startswith("done:"), result.fresh_completion_after
+
+
+def test_the_books_catch_a_second_answer_a_delta_after_it_and_an_unknown_id():
+    # The soak's own bookkeeping, without a server: what the invariants above rely on.
+    book = soak.Book(block_size=16)
+    conn = SimpleNamespace(pending={"1": book.start}, answered=set())
+    done = {"type": "done", "id": "1", "reason": "stop", "text": "",
+            "timings": {"prompt_tokens": 40, "cached_tokens": 8, "generated_tokens": 1}}
+    for msg in (done, done, {"type": "delta", "id": "1", "text": "x"}, {**done, "id": "2"}):
+        book.frame(conn, msg)
+    assert book.outcomes == {"done:stop": 1, "duplicate": 1, "after_terminal": 1, "unknown_id": 1}
+    assert conn.pending == {} and book.computed_blocks == 2

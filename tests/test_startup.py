@@ -1,0 +1,100 @@
+"""`completer serve` start-up: a start that cannot succeed ends before the port
+is announced, with one `error:` line naming the problem (and the key, and
+where it was set) and a nonzero exit; no traceback, no "listening" line."""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from server_harness import ROOT, TOKEN, stop_server
+
+
+def start(*args: str, env: dict | None = None, until: str = "listening on",
+          timeout: float = 120) -> tuple[subprocess.Popen, list[str]]:
+    """`completer serve --port 0 ARGS`, read until a line contains `until` or
+    it exits: (the process, what it printed so far, stdout and stderr in
+    order). The caller stops it (server_harness.stop_server)."""
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    watchdog = threading.Timer(timeout, proc.kill)  # a start that hangs silently fails the test, late
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if until in line:
+                break
+    finally:
+        watchdog.cancel()
+    return proc, lines
+
+
+def serve_until_listening(*args: str, env: dict | None = None) -> tuple[int | None, str]:
+    """`completer serve --port 0 ARGS` until it exits or says it is listening
+    (then it is stopped): (its exit status, None if it got to listening; all
+    it printed)."""
+    proc, lines = start(*args, env=env)
+    listening = any("listening on" in line for line in lines)
+    stop_server(proc)
+    lines += proc.stdout.readlines()
+    proc.stdout.close()
+    return None if listening else proc.returncode, "".join(lines)
+
+
+def refused(*args: str, env: dict | None = None) -> str:
+    """The one `error:` line of a start that must fail before listening."""
+    status, output = serve_until_listening(*args, env=env)
+    assert status is not None, f"the server started:\n{output}"
+    assert status != 0 and "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
+def test_max_tokens_that_leave_no_prompt_stop_the_start():
+    """With max_tokens above context_tokens the prompt budget was negative and
+    the first request spun at 100% CPU; now the start refuses it."""
+    error = refused("--model", "embedded", "--token", TOKEN, "--set", "request.max_tokens=1100")
+    assert error.startswith("error: --set request.max_tokens=1100: ")
+    assert "request.max_tokens" in error and "model.context_tokens" in error
+
+
+@pytest.mark.parametrize("size", ["0.01", "4"])
+def test_a_kv_cache_that_cannot_hold_one_full_window_stops_the_start(size):
+    """0.01 MB printed a traceback (a pool under 2 blocks); 4 MB started, and
+    then refused every prompt near the window's length."""
+    error = refused("--model", "embedded", "--token", TOKEN, "--set", f"engine.kv_cache_mb={size}")
+    assert "engine.kv_cache_mb" in error and "at least" in error
+
+
+def test_an_unknown_set_key_is_named_as_the_sets():
+    error = refused("--model", "embedded", "--token", TOKEN, "--set", "engine.warp=1")
+    assert error.startswith("error: --set engine.warp=1: ") and "default.toml" not in error
+
+
+def test_an_unknown_key_in_the_file_names_the_file(tmp_path):
+    config = tmp_path / "mine.toml"
+    config.write_text("[engine]\nwarp = 1\n")
+    error = refused("--config", str(config), "--model", "embedded", "--token", TOKEN)
+    assert error.startswith(f"error: {config}: ") and "warp" in error
+
+
+def test_a_missing_model_fails_before_listening(tmp_path):
+    error = refused("--model", str(tmp_path / "nope"), "--token", TOKEN)
+    assert str(tmp_path / "nope") in error and "model.target" in error
+
+
+def test_a_model_that_fails_to_load_fails_before_listening(tmp_path):
+    """A checkpoint whose config reads but whose weights do not: the check
+    before binding passes, the load fails, and that error is all it says."""
+    model = tmp_path / "broken"
+    shutil.copytree(ROOT / "completer" / "models" / "target", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    error = refused("--model", str(model), "--set", "model.draft=\"\"", "--token", TOKEN)
+    assert str(model) in error
