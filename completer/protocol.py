@@ -1,30 +1,51 @@
 """The wire protocol, version 1 (docs/protocol.md): every message a msgspec Struct.
 
-Client messages form a tagged union on `type`; decoding validates them, and a
-failure becomes an `error` frame that names the field. Unknown fields are
-ignored, so newer clients keep working.
+Client messages form a tagged union on `type`; decoding validates them,
+including the limits below, and a failure becomes an `error` frame that names
+the field. Unknown fields are ignored, so newer clients keep working.
+`decode` never raises: whatever a client sends, the session has an answer.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import re
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from completer.engine.request import Timings
 
 PROTOCOL_VERSION = 1
 
+# Limits on what one frame may ask for. They bound the work and memory a
+# single message can cost (100k stop strings stalled the engine; a 60,000-char
+# URI went into the prompt uncut) and are far above what an editor sends.
+MAX_ID_CHARS = 256
+MAX_URI_CHARS = 4096
+MAX_LANGUAGE_CHARS = 64
+MAX_CONTEXT_ITEMS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TOKENS = 4096
+MAX_TEMPERATURE = 2.0
+MAX_DEADLINE_MS = 600_000.0
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Uri = Annotated[str, Meta(max_length=MAX_URI_CHARS)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+
 
 class Document(msgspec.Struct, frozen=True):
-    uri: str
+    uri: Uri
     prefix: str
     suffix: str
-    language: str = ""
+    language: Annotated[str, Meta(max_length=MAX_LANGUAGE_CHARS)] = ""
 
 
 class ContextItem(msgspec.Struct, frozen=True):
-    uri: str
+    uri: Uri  # its path goes into the prompt, like the document's
     text: str
 
 
@@ -36,23 +57,25 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", frozen=True):
 
 
 class Complete(msgspec.Struct, tag="complete", tag_field="type", frozen=True):
-    id: str
+    id: RequestId
     document: Document
-    context: list[ContextItem] = []
+    context: Annotated[list[ContextItem], Meta(max_length=MAX_CONTEXT_ITEMS)] = []
     mode: Literal["line", "block", "free"] = "line"
-    max_tokens: int | None = None  # None: the server's config
-    temperature: float = 0.0
-    stop: list[str] = []
-    deadline_ms: float | None = None  # None: the server's config
+    # None: the server's config. The bounds also keep out 1e400, which JSON
+    # numbers can spell but no float holds.
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
+    stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
+    deadline_ms: Annotated[float, Meta(gt=0.0, le=MAX_DEADLINE_MS)] | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
-    id: str
+    id: RequestId
 
 
 class Feedback(msgspec.Struct, tag="feedback", tag_field="type", frozen=True):
-    id: str
-    accepted_chars: int
+    id: RequestId
+    accepted_chars: Annotated[int, Meta(ge=0)]
 
 
 ClientMessage = Hello | Complete | Cancel | Feedback
@@ -105,20 +128,140 @@ def encode(message: ServerMessage) -> str:
 
 def decode(frame: str | bytes) -> ClientMessage | Error:
     """A client frame as its message, or the `error` to answer it with."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        try:
+            frame = bytes(frame).decode("utf-8")
+        except UnicodeDecodeError as e:
+            return Error(None, "bad_request", f"the frame is not valid UTF-8 (byte {e.start})")
     try:
         return _decoder.decode(frame)
-    except msgspec.DecodeError as e:
-        problem = str(e)
+    except msgspec.DecodeError as e:  # malformed JSON, or a field that breaks the schema
+        problem = _reworded(str(e))
+    except UnicodeEncodeError:  # a str with a lone surrogate (a caller's; a WebSocket text frame cannot hold one)
+        problem = "the frame holds a lone UTF-16 surrogate, which is not valid Unicode"
+    except RecursionError:  # msgspec recurses once per level of nesting, up to Python's limit
+        return Error(None, "bad_request", _TOO_DEEP)
+    return _answer_to_bad_frame(frame, problem)
+
+
+# -- answering a frame that did not decode --------------------------------------
+#
+# The answer carries the frame's `id` whenever one can be read, so that the
+# client can tie it to its request, and its message names the field at fault.
+
+_TOO_DEEP = "the frame nests JSON too deeply (keep it under a few hundred levels)"
+_MAX_MESSAGE_CHARS = 300  # msgspec quotes the bad value; a 4 MB one need not come back
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_IN_FRAME = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|[\ud800-\udfff]")
+
+
+class _Envelope(msgspec.Struct):
+    """The two members an error answer needs, undecoded (a Raw holds their
+    JSON text); every other member is skipped without being parsed, so out of
+    range numbers elsewhere do not stop us reading the id."""
+
+    type: msgspec.Raw = msgspec.Raw()
+    id: msgspec.Raw = msgspec.Raw()
+
+
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+_JSON_KINDS = {"{": "an object", "[": "an array", '"': "a string", "t": "a boolean", "f": "a boolean",
+               "n": "null"}
+
+
+def _answer_to_bad_frame(frame: str, problem: str) -> Error:
     try:
-        raw = msgspec.json.decode(frame)
-    except msgspec.DecodeError:
-        return Error(None, "bad_request", f"frame is not a JSON object: {problem}")
-    if not isinstance(raw, dict):
-        return Error(None, "bad_request", "frame is not a JSON object")
-    request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
-    kind = raw.get("type")
+        envelope = _envelope_decoder.decode(frame)
+    except msgspec.ValidationError:  # well-formed JSON, but not an object
+        return Error(None, "bad_request", "the frame is not a JSON object")
+    except (msgspec.DecodeError, UnicodeEncodeError):
+        return _answer_to_malformed_frame(frame, problem)
+    except RecursionError:
+        return Error(None, "bad_request", _TOO_DEEP)
+    request_id = _readable_id(_json_string(envelope.id))
+    kind_json = bytes(envelope.type)
+    if kind_json in (b"", b"null"):
+        return Error(request_id, "bad_request", "the message has no `type`")
+    kind = _json_string(envelope.type)
     if kind is None:
-        return Error(request_id, "bad_request", "message has no `type`")
+        what = _JSON_KINDS.get(kind_json[:1].decode(), "a number")
+        return Error(request_id, "bad_request", f"`type` must be a string, not {what} - at `$.type`")
     if kind not in CLIENT_TYPES:
-        return Error(request_id, "unsupported", f"unknown message type {kind!r}")
+        return Error(request_id, "unsupported", _shortened(f"unknown message type {kind!r}"))
     return Error(request_id, "bad_request", problem)
+
+
+def _answer_to_malformed_frame(frame: str, problem: str) -> Error:
+    """msgspec refuses lone UTF-16 surrogates (`"\\ud800"`) as malformed JSON;
+    Python's parser reads them, so we can still name the field and the id.
+    It is only asked when the frame has a surrogate: it is slower than msgspec."""
+    if _SURROGATE_IN_FRAME.search(frame):
+        try:
+            # The values do not matter here: parse_int=float spares Python's
+            # 4300-digit limit on ints; NaN and Infinity are not JSON.
+            value = json.loads(frame, parse_int=float, parse_constant=_refuse)
+        except (ValueError, RecursionError):
+            value = None
+        if value is not None and not isinstance(value, dict):
+            return Error(None, "bad_request", "the frame is not a JSON object")
+        if value is not None and (path := _lone_surrogate_path(value)) is not None:
+            request_id = value.get("id")
+            return Error(_readable_id(request_id if isinstance(request_id, str) else None), "bad_request",
+                         f"a string holds a lone UTF-16 surrogate, which is not valid Unicode - at `{path}`")
+    return Error(None, "bad_request", f"the frame is not valid JSON: {problem}")
+
+
+def _refuse(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_string(raw: msgspec.Raw) -> str | None:
+    """The string that the JSON text `raw` spells, or None when it is not a string."""
+    if not raw:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=str)
+    except msgspec.DecodeError:
+        return None
+
+
+def _readable_id(request_id: str | None) -> str | None:
+    """An id we can echo: a string short enough for the protocol, valid Unicode."""
+    if request_id is None or len(request_id) > MAX_ID_CHARS or _LONE_SURROGATE.search(request_id):
+        return None
+    return request_id
+
+
+def _lone_surrogate_path(value: dict) -> str | None:
+    """Where (`$.document.uri`) a string or key with a lone surrogate is. A
+    loop with a stack, not recursion: the value may nest deeply."""
+    pending: list[tuple[str, dict | list]] = [("$", value)]
+    while pending:
+        path, container = pending.pop()
+        members = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, item in members:
+            if (isinstance(key, str) and _LONE_SURROGATE.search(key)) or \
+                    (isinstance(item, str) and _LONE_SURROGATE.search(item)):
+                return _member_path(path, key)
+            if isinstance(item, (dict, list)):
+                pending.append((_member_path(path, key), item))
+    return None
+
+
+def _member_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    # Surrogates escaped, so that the message can be sent; cut short.
+    return f"{path}.{_shortened(key.encode('utf-8', 'backslashreplace').decode('utf-8'), 64)}"
+
+
+def _reworded(problem: str) -> str:
+    """msgspec's message with its range error made plain, and a long quoted
+    value cut short (the field it names kept)."""
+    problem = problem.replace("Number out of range", "Number out of range (not a finite 64-bit number)", 1)
+    what, at, where = problem.rpartition(" - at `")
+    return _shortened(what) + at + where if at else _shortened(problem)
+
+
+def _shortened(text: str, limit: int = _MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

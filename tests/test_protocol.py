@@ -6,8 +6,9 @@ import json
 import pytest
 
 from completer.engine.sequence import Timings
-from completer.protocol import (Cancel, Complete, Done, Error, Feedback, Hello, ModelNames, Ready,
-                                decode, encode)
+from completer.protocol import (MAX_CONTEXT_ITEMS, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_LANGUAGE_CHARS,
+                                MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS, MAX_URI_CHARS, Cancel, Complete, Done,
+                                Error, Feedback, Hello, ModelNames, Ready, decode, encode)
 
 COMPLETE = {
     "type": "complete", "id": "42",
@@ -82,3 +83,132 @@ def test_the_wire_schema_and_the_client_import_neither_torch_nor_the_model():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"imported: {done.stdout.strip()}"
+
+
+# -- regressions: frames that made decode raise, or answered without the id --------------------
+
+def complete_with(**members) -> str:
+    return json.dumps({**COMPLETE, **members})
+
+
+def with_raw(frame: str, member: str, raw_json: str) -> str:
+    """`frame` with one more member whose value is written as is (json.dumps cannot write 1e400)."""
+    return frame[:-1] + f', "{member}": {raw_json}}}'
+
+
+@pytest.mark.parametrize("frame, rid", [
+    ('{"type": [1], "id": "5"}', "5"),
+    ('{"type": {}}', None),
+    ('{"type": 7, "id": "x"}', "x"),
+    ('{"type": true}', None),
+])
+def test_a_type_that_is_not_a_string_is_a_bad_request_not_an_exception(frame, rid):
+    err = decode(frame)
+    assert err == Error(rid, "bad_request", err.message) and "`$.type`" in err.message
+
+
+@pytest.mark.parametrize("frame", [
+    "[" * 1000 + "]" * 1000,
+    '{"a": ' * 1000 + "1" + "}" * 1000,
+    '{"id": "d", "type": "complete", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    with_raw(complete_with(), "stop", "[" * 5000 + "]" * 5000),
+])
+def test_json_nested_past_the_parsers_depth_is_a_bad_request_not_an_exception(frame):
+    err = decode(frame)
+    assert isinstance(err, Error) and err.code == "bad_request"
+    assert err.id in (None, "d", "42")  # the id may be lost past the parser's depth: nothing reads it
+
+
+@pytest.mark.parametrize("frame", [b"\xff\xfe", b'{"type": "hello", "client": "\xc3\x28"}', b"\xed\xa0\x80",
+                                   '{"type": "hello", "client": "\ud800"}', "\udfff", ""])
+def test_undecodable_text_is_a_bad_request_not_an_exception(frame):
+    err = decode(frame)
+    assert isinstance(err, Error) and err.code == "bad_request"
+    encode(err)  # nothing of the bad text comes back unsendable
+
+
+@pytest.mark.parametrize("field, number", [("temperature", "1e400"), ("temperature", "-1e400"),
+                                           ("deadline_ms", "1e400"), ("max_tokens", "1e400")])
+def test_an_out_of_range_number_keeps_the_id_and_names_the_field(field, number):
+    err = decode(with_raw(complete_with(), field, number))
+    assert isinstance(err, Error) and (err.id, err.code) == ("42", "bad_request")
+    assert f"`$.{field}`" in err.message and "out of range" in err.message, err.message
+
+
+@pytest.mark.parametrize("path, frame", [
+    ("$.document.uri", json.dumps(COMPLETE).replace("file:///home/me/app/models.py", "a\\ud800b")),
+    ("$.stop[1]", with_raw(json.dumps({k: v for k, v in COMPLETE.items() if k != "stop"}), "stop",
+                           '["ok", "\\udc00"]')),
+    ("$.note", with_raw(json.dumps(COMPLETE), "note", '"\\ud83d\\u0041"')),  # unknown fields too
+    ("$.document.prefix", json.dumps(COMPLETE).replace("text before the cursor", "\ud800")),  # a str's own
+])
+def test_a_lone_surrogate_keeps_the_id_and_names_the_field(path, frame):
+    err = decode(frame)
+    assert isinstance(err, Error) and (err.id, err.code) == ("42", "bad_request")
+    assert f"`{path}`" in err.message and "surrogate" in err.message, err.message
+
+
+def test_an_id_that_is_itself_a_lone_surrogate_is_not_echoed():
+    err = decode('{"type": "cancel", "id": "\\ud800"}')
+    assert isinstance(err, Error) and err.id is None and "`$.id`" in err.message
+
+
+def test_a_surrogate_pair_is_a_character_not_an_error():
+    msg = decode(json.dumps({**COMPLETE, "stop": ["\U0001f600"]}, ensure_ascii=True))
+    assert isinstance(msg, Complete) and msg.stop == ["\U0001f600"]
+
+
+# -- limits: validated at the boundary, the error naming the field --------------------------------
+
+CONTEXT_ITEM = {"uri": "file:///x.py", "text": "t"}
+
+
+@pytest.mark.parametrize("members, rid, needle", [
+    ({"temperature": 2.000001}, "42", "$.temperature"),
+    ({"temperature": -0.5}, "42", "$.temperature"),
+    ({"max_tokens": 0}, "42", "$.max_tokens"),
+    ({"max_tokens": MAX_TOKENS + 1}, "42", "$.max_tokens"),
+    ({"max_tokens": 10**30}, "42", "$.max_tokens"),
+    ({"deadline_ms": 0}, "42", "$.deadline_ms"),
+    ({"deadline_ms": -1}, "42", "$.deadline_ms"),
+    ({"deadline_ms": MAX_DEADLINE_MS + 0.5}, "42", "$.deadline_ms"),
+    ({"id": ""}, "", "$.id"),
+    ({"id": "i" * (MAX_ID_CHARS + 1)}, None, "$.id"),  # too long to echo
+    ({"document": {**COMPLETE["document"], "uri": "u" * (MAX_URI_CHARS + 1)}}, "42", "$.document.uri"),
+    ({"document": {**COMPLETE["document"], "language": "l" * (MAX_LANGUAGE_CHARS + 1)}}, "42",
+     "$.document.language"),
+    ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "42", "$.stop"),
+    ({"stop": ["s"] * 100_000}, "42", "$.stop"),
+    ({"stop": [""]}, "42", "$.stop[0]"),
+    ({"stop": ["s" * (MAX_STOP_CHARS + 1)]}, "42", "$.stop[0]"),
+    ({"context": [CONTEXT_ITEM] * (MAX_CONTEXT_ITEMS + 1)}, "42", "$.context"),
+    ({"context": [{"uri": "u" * (MAX_URI_CHARS + 1), "text": ""}]}, "42", "$.context[0].uri"),
+])
+def test_limits_refuse_with_bad_request_naming_the_field(members, rid, needle):
+    err = decode(complete_with(**members))
+    assert isinstance(err, Error) and (err.id, err.code) == (rid, "bad_request"), err
+    assert f"`{needle}`" in err.message, err.message
+
+
+def test_feedback_accepted_chars_must_not_be_negative():
+    err = decode('{"type": "feedback", "id": "42", "accepted_chars": -1}')
+    assert err == Error("42", "bad_request", err.message) and "`$.accepted_chars`" in err.message
+
+
+@pytest.mark.parametrize("members", [
+    {"temperature": 0}, {"temperature": 2}, {"temperature": -0.0}, {"temperature": 1e-40},
+    {"temperature": 5e-324}, {"max_tokens": 1}, {"max_tokens": MAX_TOKENS}, {"deadline_ms": MAX_DEADLINE_MS},
+    {"deadline_ms": 5e-324}, {"id": "i" * MAX_ID_CHARS},
+    {"document": {**COMPLETE["document"], "uri": "u" * MAX_URI_CHARS, "language": "l" * MAX_LANGUAGE_CHARS}},
+    {"stop": ["s" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, {"context": [CONTEXT_ITEM] * MAX_CONTEXT_ITEMS},
+])
+def test_values_at_the_limits_decode(members):
+    assert isinstance(decode(complete_with(**members)), Complete)
+
+
+def test_a_long_bad_value_is_cut_from_the_message_but_the_field_is_named():
+    err = decode(complete_with(mode="z" * 100_000))
+    assert isinstance(err, Error) and err.id == "42" and len(err.message) < 400
+    assert err.message.endswith("`$.mode`"), err.message
+    err = decode(json.dumps({"type": "t" * 100_000, "id": "42"}))
+    assert isinstance(err, Error) and err.code == "unsupported" and len(err.message) < 400
