@@ -432,14 +432,23 @@ def run_soak(editors: int = 32, duration: float = 60.0, kv_mb: float = SOAK_KV_M
 
 async def closed_loop(server: ServerProcess, editors: int, requests: int, corpus: list[str],
                       seed: int) -> list[tuple[float, str]]:
-    """Each editor types `requests` keys into its own document, the next one as
-    soon as the last is answered; (seconds to done, outcome) of every one."""
+    """Each editor opens its document (one request, not timed: a cold prompt
+    is the same work alone or not), waits until every editor has, then types
+    `requests` keys, the next one as soon as the last is answered; (seconds to
+    done, outcome) of every typed one."""
+    opened = asyncio.Barrier(editors)
+
     async def one(index: int) -> list[tuple[float, str]]:
         rng = random.Random(seed * 1000 + index)
         text = rng.choice([t for t in corpus if len(t) > 2 * requests + 400])
         cursor = text.rfind("\n", 0, rng.randrange(200, len(text) - requests)) + 1
         out = []
         async with connect(server) as ws:
+            # A deadline long enough for 32 cold prompts at once: the document's K/V is what is warmed.
+            await ws.send(complete_msg("open", text[:cursor], text[cursor + requests:], uri=f"file:///fair/{index}.py",
+                                       deadline_ms=UNANSWERED_AFTER_S * 1000))
+            await asyncio.wait_for(collect(ws, "open"), UNANSWERED_AFTER_S)
+            await opened.wait()
             for k in range(requests):
                 start = time.perf_counter()
                 await ws.send(complete_msg(str(k), text[:cursor + k], text[cursor + requests:],
@@ -475,8 +484,8 @@ async def fairness_load(server: ServerProcess, editors: int, requests: int, roun
 
 
 def run_fairness(editors: int = 32, requests: int = 20, rounds: int = 2, seed: int = 0,
-                 command: str = "") -> FairnessResult:
-    with running_server() as server:  # the default config: what an editor meets
+                 command: str = "", settings: tuple[str, ...] = ()) -> FairnessResult:
+    with running_server(*settings) as server:  # the default config (unless --set): what an editor meets
         keep_reading_log(server)
         measured = asyncio.run(fairness_load(server, editors, requests, rounds, seed))
     return FairnessResult(date=now(), machine=machine(), command=command, **measured)
@@ -494,10 +503,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="fairness: alone/together alternations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the result here")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="fairness: a server setting (repeatable), e.g. engine.batch_prefill=false")
     args = ap.parse_args()
     command = "python latency_bench/soak.py " + " ".join(sys.argv[1:])
     if args.fairness:
-        result = run_fairness(args.editors, args.requests, args.rounds, args.seed, command)
+        result = run_fairness(args.editors, args.requests, args.rounds, args.seed, command, tuple(args.set))
         section, broken = fairness_section(result), []
     else:
         result = run_soak(args.editors, args.duration, args.kv_mb, args.seed, command)

@@ -18,9 +18,9 @@ def test_a_long_prefill_does_not_carry_a_decoding_request_past_its_deadline(mode
     core.step()  # its prefill and first token: it is decoding now
     prefill = core._prefill
 
-    def slow_prefill(seq, budget):  # a prefill that takes longer than the other's deadline
+    def slow_prefill(plan):  # a prefill that takes longer than the other's deadline
         time.sleep(0.8)
-        prefill(seq, budget)
+        prefill(plan)
 
     core._prefill = slow_prefill
     core.add(Request("open-file", long_prompt, SamplingParams(max_tokens=4, mode="free")))

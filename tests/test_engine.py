@@ -297,3 +297,23 @@ def test_run_in_passing_thread_returns_and_raises_on_a_thread_that_ends():
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
     with pytest.raises(ValueError, match="bad"):
         run_in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+def test_prefill_passes_pad_at_most_twice_what_they_hold_and_keep_every_chunk():
+    from completer.engine.scheduler import padded_groups
+
+    lengths = [3, 500, 17, 30, 28, 1, 64, 512, 31, 2, 200]
+    groups = padded_groups([(str(i), n) for i, n in enumerate(lengths)])
+    assert sorted(c for g in groups for c in g) == sorted((str(i), n) for i, n in enumerate(lengths))
+    for g in groups:
+        assert len(g) * max(n for _, n in g) <= 2 * sum(n for _, n in g)
+    assert len(groups) < len(lengths)
+
+
+def test_batched_prefill_equals_a_pass_per_sequence(models, tokenizer):
+    ps = prompts(12, seed=7)
+    requests = [Request(str(i), p, free_mode(8)) for i, p in enumerate(ps)]
+    batched = run(make_core(models, tokenizer), requests)
+    alone = run(make_core(models, tokenizer, config=EngineConfig(block_size=4, prefill_chunk=64,
+                                                                 batch_prefill=False)), requests)
+    assert {k: v.text for k, v in batched.items()} == {k: v.text for k, v in alone.items()}

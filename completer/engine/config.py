@@ -18,6 +18,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_running: int = 32  # sequences decoded together
     max_queue: int = 64  # waiting requests beyond this are refused (overloaded)
     prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing
+    batch_prefill: bool = True  # prefill chunks of similar length in one padded pass (else one pass each)
     paged_attention: Literal["auto", "torch", "triton"] = "auto"  # decode/verify attention; auto: triton on CUDA
     cuda_graphs: bool = True  # replay plain decode steps as CUDA graphs (with the triton kernel, on CUDA)
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default

@@ -26,7 +26,7 @@ from completer.engine.proposers import DraftModelProposer, NgramProposer, Propos
 from completer.engine.rejection_sampler import accept_greedy, accept_sampled
 from completer.engine.request import EngineError, Event, FinishReason, Request
 from completer.engine.sampler import Sampler
-from completer.engine.scheduler import Scheduler
+from completer.engine.scheduler import Scheduler, padded_groups
 from completer.engine.sequence import Sequence, Status
 from completer.engine.spec_policy import SpecPolicy
 from completer.engine.speculator import Speculator
@@ -133,8 +133,7 @@ class EngineCore:
             self._finish(seq, "deadline")
         if plan.prefill:
             torch.set_num_threads(self.prefill_threads)
-            for seq, budget in plan.prefill:
-                self._prefill(seq, budget)
+            self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
         decoding = self.scheduler.decoding()
         if decoding:
@@ -154,20 +153,27 @@ class EngineCore:
         self.kv.allocate(role, seqs, rows)
         return self.runners[role].execute([s.kv[role] for s in seqs], rows, last_only)
 
-    def _prefill(self, seq: Sequence, budget: int) -> None:
-        """Up to `budget` more prompt tokens in every pool; the first token once the target has it all."""
-        last = None
+    def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Up to each sequence's budget more prompt tokens in every pool
+        (chunks of similar length in one pass); a sequence's first token once
+        the target has its whole prompt."""
+        last: dict[str, torch.Tensor] = {}
         for role in self.kv.roles:
-            state = seq.kv[role]
-            n = min(budget, seq.prompt_len - state.computed)
-            if n > 0:
-                logits = self._run(role, [seq], [seq.tokens[state.computed: state.computed + n]], last_only=True)
-                self.kv.publish(seq, role)
-                if role == "target":
-                    last = logits[0]
-        if last is not None and seq.kv["target"].computed == seq.prompt_len:
-            seq.status = Status.DECODE
-            self._postprocess(seq, [self.sampler.sample(seq, last)[0]])
+            chunks = [(seq, n) for seq, budget in plan
+                      if (n := min(budget, seq.prompt_len - seq.kv[role].computed)) > 0]
+            groups = padded_groups(chunks) if self.config.batch_prefill else [[c] for c in chunks]
+            for group in groups:
+                seqs = [seq for seq, _ in group]
+                rows = [seq.tokens[seq.kv[role].computed: seq.kv[role].computed + n] for seq, n in group]
+                logits = self._run(role, seqs, rows, last_only=True)
+                for b, seq in enumerate(seqs):
+                    self.kv.publish(seq, role)
+                    if role == "target":
+                        last[seq.id] = logits[b]
+        for seq, _ in plan:
+            if seq.id in last and seq.kv["target"].computed == seq.prompt_len:
+                seq.status = Status.DECODE
+                self._postprocess(seq, [self.sampler.sample(seq, last[seq.id])[0]])
 
     def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[list[int]]:
         """One target pass over `[last token] + proposal` per sequence; the

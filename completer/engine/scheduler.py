@@ -23,6 +23,24 @@ class StepPlan(NamedTuple):
     prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens it may prefill this step)
 
 
+def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """(sequence, new tokens) chunks grouped into passes: rows of a pass are
+    padded to its longest, so a group takes chunks, shortest first, while the
+    padded size stays within twice the tokens it holds. A pass has a fixed
+    cost (every layer's weights read once), so a dozen warm keystrokes of
+    ~30 tokens cost about what two of them cost in passes of their own."""
+    groups: list[list[tuple[Sequence, int]]] = []
+    total = 0
+    for seq, n in sorted(chunks, key=lambda c: c[1]):
+        if groups and (len(groups[-1]) + 1) * n <= 2 * (total + n):
+            groups[-1].append((seq, n))
+            total += n
+        else:
+            groups.append([(seq, n)])
+            total = n
+    return groups
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
