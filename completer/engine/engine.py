@@ -6,6 +6,7 @@ events back with `call_soon_threadsafe`."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,10 @@ from completer.loading import LoadedModel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# glibc keeps what a burst of work freed (a 2 MB document's tokens, a long
+# prefill's activations) as its high-water mark: RSS rose 829 -> 939 MB over
+# four rounds of 2 MB documents, and malloc_trim(0) gave it back (835 MB).
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def run_in_passing_thread(fn: Callable[..., T], *args) -> T:
@@ -149,10 +154,17 @@ class Engine:
 
     def _run(self) -> None:
         core = self.core
+        busy = False  # since the memory was last handed back
         while True:
+            with self._cond:
+                idle = not self._inbox and not core.has_work
+            if idle and busy and _malloc_trim is not None:
+                _malloc_trim(0)  # idle: the next request does not wait for it
+                busy = False
             with self._cond:
                 while not self._inbox and not core.has_work and not self._stopping:
                     self._cond.wait()
+                busy = True
                 if self._stopping:
                     return
                 inbox, self._inbox = self._inbox, []
