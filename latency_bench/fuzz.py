@@ -438,6 +438,7 @@ class Figures(msgspec.Struct):
     wall_s: float = 0.0
     server_rss_mb_before: float | None = None
     server_rss_mb_after: float | None = None
+    remark: str = ""  # why this run was made (--remark), for RELIABILITY.md
 
     def note(self, frame: Frame, problem: str) -> None:
         if len(self.examples) < 20:
@@ -572,13 +573,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1000, help="frames drawn at a time")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--remark", default="", help="why this run was made (shown in RELIABILITY.md)")
     args = ap.parse_args()
     with running_server(*SERVER_SETTINGS, token=TOKEN) as server:
         before = rss_mb(server)
         figures = asyncio.run(fuzz_server(server, generated_batches(args.frames, args.seed, args.batch),
                                           args.connections, progress=True))
         figures.server_rss_mb_before, figures.server_rss_mb_after = before, rss_mb(server)
-    figures.command = "python latency_bench/fuzz.py " + " ".join(sys.argv[1:])
+    shown = [a for a, before in zip(sys.argv[1:], ["", *sys.argv[1:]]) if "--remark" not in (a, before)]
+    figures.command = "python latency_bench/fuzz.py " + " ".join(shown)
+    figures.remark = args.remark
     report = msgspec.json.format(msgspec.json.encode(figures))
     print(report.decode())
     if args.json:

@@ -27,6 +27,8 @@ RESULTS = ROOT / "docs" / "results"
 PAGE = ROOT / "RELIABILITY.md"
 FUZZ = ROOT / "latency_bench" / "fuzz.py"
 JSON = {name: RESULTS / f"reliability_{name}.json" for name in ("fuzz", "soak", "fairness", "run")}
+# A shorter fuzz run made after the long one, when it found something (fuzz.py --remark says what).
+FUZZ_CHECK = RESULTS / "reliability_fuzz_check.json"
 
 
 # -- what a run measured ----------------------------------------------------------
@@ -262,10 +264,13 @@ def fairness_section(r: FairnessResult) -> list[str]:
                     f"their deadline).", ""]
 
 
-def fuzz_section(fuzz: dict) -> list[str]:
-    """latency_bench/fuzz.py's JSON as it is: its top-level figures."""
-    lines = ["## Fuzz", "", f"`{fuzz.get('command', 'python latency_bench/fuzz.py')}`", ""]
-    return lines + table(("figure", "value"), [(k, json.dumps(v)[:300]) for k, v in fuzz.items() if k != "command"])
+def fuzz_section(fuzz: dict, heading: str = "## Fuzz") -> list[str]:
+    """latency_bench/fuzz.py's JSON as it is: its top-level figures (and its remark)."""
+    lines = [heading, "", f"`{fuzz.get('command', 'python latency_bench/fuzz.py')}`", ""]
+    if fuzz.get("remark"):
+        lines += [fuzz["remark"], ""]
+    return lines + table(("figure", "value"), [(k, json.dumps(v)[:300]) for k, v in fuzz.items()
+                                               if k not in ("command", "remark")])
 
 
 def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: FairnessResult | None) -> str:
@@ -295,6 +300,8 @@ def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: F
     lines += fuzz_section(fuzz) if fuzz is not None else ["## Fuzz", "", (
         "Not run: latency_bench/fuzz.py was not there when this page was generated." if code is None
         else f"latency_bench/fuzz.py exited {code} without writing its JSON."), ""]
+    if FUZZ_CHECK.exists():
+        lines += fuzz_section(json.loads(FUZZ_CHECK.read_text()), "## Fuzz, checked again")
     lines += soak_section(soak) if soak is not None else []
     lines += fairness_section(fairness) if fairness is not None else []
     return "\n".join(lines)
