@@ -3,7 +3,7 @@ it without raising, with the frame's id whenever it can be read; and the real
 server answers every frame as docs/protocol.md promises, keeping the
 connection, and its neighbour's, going.
 
-The frame generators live in latency_bench/fuzz.py, whose command runs the
+The frame generators live in latency_bench/fuzz_frames.py; latency_bench/fuzz.py runs the
 same checks over 100,000 frames; here is a bounded run of them.
 """
 
@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "latency_bench"))
 import fuzz  # noqa: E402
+import fuzz_frames  # noqa: E402
 from server_harness import collect, complete_msg, connect, running_server  # noqa: E402
 
 from completer.protocol import MAX_TOKENS, Error, decode, encode  # noqa: E402
@@ -29,7 +30,7 @@ PROPERTY_SETTINGS = settings(max_examples=300, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def assert_answers_as_its_generator_expects(frame: fuzz.Frame) -> None:
+def assert_answers_as_its_generator_expects(frame: fuzz_frames.Frame) -> None:
     result = decode(frame.data)
     if frame.valid is True:
         assert not isinstance(result, Error), result
@@ -48,13 +49,13 @@ def assert_answers_as_its_generator_expects(frame: fuzz.Frame) -> None:
 
 
 @PROPERTY_SETTINGS
-@given(fuzz.frames())
+@given(fuzz_frames.frames())
 def test_decode_never_raises_and_each_error_carries_the_frames_id_and_names_the_field(frame):
     assert_answers_as_its_generator_expects(frame)
 
 
 @PROPERTY_SETTINGS
-@given(fuzz.messages(MAX_TOKENS))
+@given(fuzz_frames.messages(MAX_TOKENS))
 def test_every_valid_message_decodes_to_itself(message):
     assert decode(json.dumps(msgspec.to_builtins(message))) == message
 
@@ -73,10 +74,10 @@ def test_decode_never_raises_on_any_bytes_or_text(frame):
 
 
 def test_the_command_draws_every_kind_evenly_and_the_same_frames_for_a_seed():
-    frames = fuzz.draw_frames(40, seed=7)
+    frames = fuzz_frames.draw_frames(40, seed=7)
     kinds = {f.kind for f in frames}
-    assert kinds == set(fuzz.frame_kinds()), kinds
-    assert [f.data for f in fuzz.draw_frames(40, seed=7)] == [f.data for f in frames]
+    assert kinds == set(fuzz_frames.frame_kinds()), kinds
+    assert [f.data for f in fuzz_frames.draw_frames(40, seed=7)] == [f.data for f in frames]
     for frame in frames:
         assert_answers_as_its_generator_expects(frame)
 
@@ -113,7 +114,7 @@ async def test_frames_that_closed_the_connection_with_1011_get_an_error_and_it_g
 
 
 async def test_fuzzed_frames_each_get_their_documented_answer_and_the_connection_and_a_neighbour_go_on(server):
-    frames = fuzz.draw_frames(SERVER_FRAMES, seed=1, max_new_tokens=fuzz.MAX_NEW_TOKENS)
+    frames = fuzz_frames.draw_frames(SERVER_FRAMES, seed=1, max_new_tokens=fuzz.MAX_NEW_TOKENS)
 
     async def one_batch():
         yield frames
