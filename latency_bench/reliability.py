@@ -249,7 +249,9 @@ def fairness_section(r: FairnessResult) -> list[str]:
              f"`{r.command}` ({r.date})", "",
              f"Closed loop (each editor sends its next keystroke when the last is answered), default config; "
              f"{r.rounds} round(s) alternating alone ({r.alone.requests // r.rounds} keys) and together "
-             f"({r.requests_per_editor} keys per editor).", ""]
+             f"({r.requests_per_editor} keys per editor). Each editor first opens its document (one request, "
+             "not timed: the same cold prefill alone or not) and waits for all the others to have theirs; the "
+             "keystrokes after that are timed.", ""]
     lines += table(("editors", "requests", "p50 ms", "p99 ms", "deadline hit", "outcomes"),
                    [(p.editors, p.requests, p.p50_ms, p.p99_ms, f"{p.deadline_share:.1%}",
                      ", ".join(f"{k} {v}" for k, v in sorted(p.outcomes.items())))
