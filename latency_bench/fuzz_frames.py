@@ -119,6 +119,7 @@ LONE_SURROGATES = st.tuples(TEXT, st.sampled_from(["\\ud800", "\\udbff", "\\udc0
                                                    "\\ude00\\ud83d", "\\ud800\\ud800"]), TEXT).map(
     lambda t: Verbatim(json.dumps(t[0], ensure_ascii=False)[:-1] + t[1] + json.dumps(t[2], ensure_ascii=False)[1:]))
 NOT_A_STRING = st.integers() | st.none() | st.lists(st.integers(), max_size=2)
+NOT_A_NUMBER = st.none() | st.lists(st.integers(), max_size=2) | TEXT
 BAD_IDS = st.just("") | long_text(MAX_ID_CHARS + 1) | NOT_A_STRING | st.just(DELETE)
 FLOATS = dict(allow_nan=False, allow_infinity=False)
 # (path, bad values, what the error names) for each message type.
@@ -133,7 +134,8 @@ MUTATIONS = {
         (("id",), BAD_IDS, "id"),
         (("document", "uri"), long_text(4097) | NOT_A_STRING, "document.uri"),
         (("document", "language"), long_text(65), "document.language"),
-        (("document", "prefix"), NOT_A_STRING | st.just(DELETE), "document.prefix"),
+        # A missing member is named alone ("missing required field `prefix` - at `$.document`").
+        (("document", "prefix"), NOT_A_STRING | st.just(DELETE), "prefix"),
         (("document",), NOT_A_STRING | TEXT | st.just(DELETE), "document"),
         (("stop",), st.lists(st.text(min_size=1, max_size=4), min_size=17, max_size=30) | st.just([""])
          | long_text(257).map(lambda s: [s]) | TEXT
@@ -142,7 +144,7 @@ MUTATIONS = {
          | long_text(4097).map(lambda uri: [{"uri": uri, "text": ""}]) | TEXT, "context"),
         (("mode",), TEXT.filter(lambda m: m not in ("line", "block", "free")) | NOT_A_STRING, "mode"),
     ],
-    "feedback": [(("accepted_chars",), st.integers(max_value=-1) | st.just(1.5) | NOT_A_STRING | st.just(DELETE),
+    "feedback": [(("accepted_chars",), st.integers(max_value=-1) | st.just(1.5) | NOT_A_NUMBER | st.just(DELETE),
                   "accepted_chars"), (("id",), BAD_IDS, "id")],
     "cancel": [(("id",), BAD_IDS, "id")],
 }
