@@ -186,6 +186,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: cannot serve on {config.server.host}:{config.server.port}: {e}") from None
 
 
+def cmd_prefill_worker(args: argparse.Namespace) -> int:
+    """A prefill worker for disaggregation: `completer serve` starts its own
+    (disagg.workers); this runs one on another host (disagg.remote_workers)."""
+    import logging
+
+    import msgspec
+
+    from completer.checkpoint import CheckpointError
+    from completer.config import Config, ConfigError
+    from completer.disagg.worker import run_worker
+    from completer.model_store import ModelFetchError
+    from completer.server.security import TokenError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.config_json:  # from `completer serve`: its resolved config, on stdin
+        config = msgspec.json.decode(sys.stdin.read(), type=Config)
+    else:
+        config = load_cli_config(args, flag_overrides(args, {"model": "model.target"}))
+    try:
+        cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else list(config.disagg.worker_cpus[0]
+                                                                             if config.disagg.worker_cpus else [])
+    except ValueError:
+        raise SystemExit(f"error: --cpus {args.cpus!r}: expected a comma-separated list of CPU numbers") from None
+    try:
+        if not args.config_json:
+            check_models(config)
+        token, _ = serve_token(args, config)
+        run_worker(config, token, args.host, args.port, cpus, ready=lambda line: print(line, flush=True))
+    except (ConfigError, CheckpointError, ModelFetchError, TokenError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {e}") from None
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from completer.model_store import DEFAULT_TARGET, ModelFetchError, cached_path, pull
 
@@ -249,6 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("prefill-worker", help="prefill long prompts for a `completer serve` elsewhere "
+                                             "(disaggregation; list this worker in its disagg.remote_workers)")
+    p.add_argument("--config", type=Path, help="TOML config: the same model and [engine] as the server's")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--model", help="sets model.target (must be the server's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8751, help="port (default 8751; 0 picks a free one)")
+    p.add_argument("--cpus", help="CPUs to run on, e.g. 2,3 (default: disagg.worker_cpus[0], else any)")
+    worker_token = p.add_mutually_exclusive_group()
+    worker_token.add_argument("--token-file", type=Path, metavar="PATH",
+                              help="the server's token (as `completer serve --token-file`); else $COMPLETER_TOKEN, "
+                                   "server.token, server.token_file")
+    worker_token.add_argument("--token", help=argparse.SUPPRESS)
+    p.add_argument("--config-json", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_prefill_worker)
 
     p = sub.add_parser("models", help="fetch the default model into the cache (pull), or print where it goes (path)")
     p.add_argument("action", choices=["pull", "path"])

@@ -1,4 +1,4 @@
-"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`.
+"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`, `[disagg]`.
 
 Every key has a default here; a config file or `--set section.key=value`
 overrides it. An unknown section or key, a value of the wrong type, or values
@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 
+from completer.disagg.config import DisaggConfig, disagg_problems
 from completer.engine.config import ConfigProblem, EngineConfig, SpecConfig, engine_problems, spec_problems
 from completer.engine.request import Mode
 
@@ -62,6 +63,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineConfig = EngineConfig()
     spec: SpecConfig = SpecConfig()
     server: ServerSection = ServerSection()
+    disagg: DisaggConfig = DisaggConfig()
 
 
 class ConfigError(ValueError):
@@ -78,7 +80,7 @@ MIN_PROMPT_TOKENS = 64
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSection, "request": RequestSection, "engine": EngineConfig, "spec": SpecConfig,
-    "server": ServerSection,
+    "server": ServerSection, "disagg": DisaggConfig,
 }
 RENAMED = {"engine.max_tokens": "request.max_tokens", "engine.deadline_ms": "request.deadline_ms"}
 
@@ -154,7 +156,7 @@ def problems(config: Config) -> list[ConfigProblem]:
     from completer.prompt import TEMPLATES  # here: the prompt module is not needed to read a config
 
     m, r, s = config.model, config.request, config.server
-    found = engine_problems(config.engine) + spec_problems(config.spec)
+    found = engine_problems(config.engine) + spec_problems(config.spec) + disagg_problems(config.disagg)
     if m.template and m.template not in TEMPLATES:
         found.append(ConfigProblem(("model.template",), f"model.template = {m.template!r}: unknown "
                                    f"(known: {', '.join(TEMPLATES)}, or \"\" to detect it)"))

@@ -17,6 +17,8 @@ K/V (`write_kv`), then reads.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from completer.engine.paged_kv import KVPool
@@ -70,8 +72,9 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, pool: KVPool, meta: AttentionMetadata):
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
         self.pool, self.meta = pool, meta
+        self.layer_written = layer_written
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This pass's K/V ([B, Hkv, T, D]) into their slots; returns the layer's
@@ -80,12 +83,14 @@ class PagedAttention:
         slots = self.meta.slot_mapping
         kp.index_copy_(0, slots, k.transpose(1, 2).reshape(slots.shape[0], *kp.shape[1:]).to(kp.dtype))
         vp.index_copy_(0, slots, v.transpose(1, 2).reshape(slots.shape[0], *vp.shape[1:]).to(vp.dtype))
+        if self.layer_written is not None:
+            self.layer_written(layer)
         return kp, vp
 
 
 class TorchAttention(PagedAttention):
-    def __init__(self, pool: KVPool, meta: AttentionMetadata):
-        super().__init__(pool, meta)
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
+        super().__init__(pool, meta, layer_written)
         bs, span = pool.block_size, meta.max_context
         tables = meta.block_tables.long()
         B, T = meta.positions.shape
@@ -113,8 +118,8 @@ class TorchAttention(PagedAttention):
 class TritonAttention(PagedAttention):
     MAX_NEW = 16  # new tokens per row it takes (one kernel query each)
 
-    def __init__(self, pool: KVPool, meta: AttentionMetadata):
-        super().__init__(pool, meta)
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
+        super().__init__(pool, meta, layer_written)
         T = meta.positions.shape[1]
         self.query_tables = meta.block_tables if T == 1 else meta.block_tables.repeat_interleave(T, 0)
 

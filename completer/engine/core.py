@@ -11,7 +11,10 @@ speculate), `sampler` and `rejection_sampler` (choosing tokens),
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,17 +38,32 @@ from completer.healing import TokenHealer
 from completer.model import Transformer
 from completer.tokenizer import TextTokenizer
 
+if TYPE_CHECKING:
+    from completer.disagg.remote import Closed, RemotePrefill
+
+log = logging.getLogger(__name__)
+
 
 class EngineCore:
     def __init__(self, runners: dict[str, ModelRunner], kv: KVCacheManager, tokenizer: TextTokenizer,
-                 stop_ids: list[int], config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig()):
-        """runners: "target", and "draft" when the drafter is in use (the one place that says so)."""
+                 stop_ids: list[int], config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(),
+                 remote: RemotePrefill | None = None):
+        """runners: "target", and "draft" when the drafter is in use (the one place that says so).
+        remote: prefill workers (disaggregation), if any."""
         self.runners = runners
         self.target, self.draft = runners["target"], runners.get("draft")
         self.kv = kv
         self.tokenizer = tokenizer
         self.config, self.spec = config, spec
-        self.scheduler = Scheduler(config, kv)
+        self.remote = remote
+        self.scheduler = Scheduler(config, kv, route=self._route if remote is not None else None)
+        self.remote_seqs: dict[int, Sequence] = {}  # open worker job -> the sequence it prefills
+        # Target blocks of requests that ended while a worker could still write
+        # them: the job owns them until it closes (see disagg.remote).
+        self.held_by_jobs: dict[int, list[int]] = {}
+        self.decode_pass_s = 0.0  # the last decode pass (the decision's cost of local chunks)
+        if remote is not None:
+            remote.register(self.target.pool)
         self.sampler = Sampler(TokenHealer(tokenizer))
         self.output = OutputProcessor(set(stop_ids))
         self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
@@ -63,7 +81,7 @@ class EngineCore:
     @classmethod
     def build(cls, target: Transformer, draft: Transformer | None, tokenizer: TextTokenizer,
               stop_ids: list[int], config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(),
-              num_blocks: dict[str, int] | None = None) -> "EngineCore":
+              num_blocks: dict[str, int] | None = None, remote: RemotePrefill | None = None) -> "EngineCore":
         """Pools, runners and block managers for the models. num_blocks: per
         role (default: `kv_cache_mb` split by `spec.draft_share`)."""
         models = {"target": target}
@@ -80,7 +98,7 @@ class EngineCore:
                 attention = "triton" if pool.device.type == "cuda" else "torch"
             runners[role] = ModelRunner(model, pool, attention, config.cuda_graphs)
             pools[role] = BlockManager(n, config.block_size, config.prefix_cache)
-        return cls(runners, KVCacheManager(pools, spec.k_max + 1), tokenizer, stop_ids, config, spec)
+        return cls(runners, KVCacheManager(pools, spec.k_max + 1), tokenizer, stop_ids, config, spec, remote)
 
     # -- requests -----------------------------------------------------------
 
@@ -109,6 +127,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def only_transfers(self) -> bool:
+        """Nothing to compute until a worker's K/V arrives (or a deadline passes)."""
+        return self.scheduler.only_transfers
+
     def calibrate(self, context: int = 256, reps: int = 3, batches: tuple[int, ...] = (1, 4)) -> None:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.decode_threads)
@@ -128,6 +151,8 @@ class EngineCore:
     # -- the iteration ------------------------------------------------------
 
     def step(self) -> list[Event]:
+        if self.remote is not None:
+            self._poll_remote()
         plan = self.scheduler.schedule(time.perf_counter())
         for seq in plan.expired:
             self._finish(seq, "deadline")
@@ -139,7 +164,9 @@ class EngineCore:
         if decoding:
             torch.set_num_threads(self.decode_threads)
             proposals = self.speculator.propose(decoding)
+            started = time.perf_counter()
             accepted = self._verify(decoding, proposals)
+            self.decode_pass_s = time.perf_counter() - started
             for seq, tokens in zip(decoding, accepted):
                 self._postprocess(seq, tokens)
             self._expire()  # nor wait for the next step to end
@@ -164,16 +191,33 @@ class EngineCore:
             groups = padded_groups(chunks) if self.config.batch_prefill else [[c] for c in chunks]
             for group in groups:
                 seqs = [seq for seq, _ in group]
+                if role == "target" and any(seq.remote_job is not None for seq in seqs):
+                    group = [(seq, n) for seq, n in group if seq.remote_job is None]  # a worker prefills those
+                    seqs = [seq for seq, _ in group]
+                    if not seqs:
+                        continue
                 rows = [seq.tokens[seq.kv[role].computed: seq.kv[role].computed + n] for seq, n in group]
+                started = time.perf_counter()
                 logits = self._run(role, seqs, rows, last_only=True)
                 for b, seq in enumerate(seqs):
                     self.kv.publish(seq, role)
                     if role == "target":
                         last[seq.id] = logits[b]
+                if role == "target" and self.remote is not None:
+                    self.remote.observe_local(sum(map(len, rows)), time.perf_counter() - started)
         for seq, _ in plan:
             if seq.id in last and seq.kv["target"].computed == seq.prompt_len:
-                seq.status = Status.DECODE
-                self._postprocess(seq, [self.sampler.sample(seq, last[seq.id])[0]])
+                seq.first_logits = last[seq.id]
+            self._start_decoding(seq)
+
+    def _start_decoding(self, seq: Sequence) -> None:
+        """The first token, once the target holds the whole prompt (a lagging
+        drafter catches up when it next proposes)."""
+        if seq.first_logits is None or seq.kv["target"].computed < seq.prompt_len:
+            return
+        logits, seq.first_logits = seq.first_logits, None
+        seq.status = Status.DECODE
+        self._postprocess(seq, [self.sampler.sample(seq, logits)[0]])
 
     def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[list[int]]:
         """One target pass over `[last token] + proposal` per sequence; the
@@ -214,6 +258,13 @@ class EngineCore:
         self.output.finish(seq, reason)
 
     def _drop(self, seq: Sequence) -> None:
+        if (job := seq.remote_job) is not None:  # a worker may still write its blocks: the job keeps them
+            seq.remote_job = None
+            del self.remote_seqs[job]
+            state = seq.kv["target"]
+            self.held_by_jobs[job] = state.table
+            state.table, state.computed, state.chain = [], 0, []
+            self.remote.abort(job)
         self.kv.free(seq)
         if seq.status is not Status.FINISHED:
             self.scheduler.remove(seq)
@@ -231,3 +282,60 @@ class EngineCore:
             self._drop(seq)
         return [(e.id, e) for e in self.output.drain()] + \
             [(s.id, EngineError("internal", message)) for s in failed]
+
+    # -- disaggregated prefill --------------------------------------------------
+
+    def _route(self, seq: Sequence) -> None:
+        """On admission: this prompt's uncached part to a worker, or not (`disagg.decision`)."""
+        state = seq.kv["target"]
+        local_queued = sum(s.prefill_left for s in self.scheduler.running if s.status is Status.PREFILL and s is not seq)
+        pass_s = self.decode_pass_s if any(s.status is Status.DECODE for s in self.scheduler.running) else 0.0
+        decision = self.remote.choose(seq.prompt_len - state.computed, self.config.prefill_chunk, pass_s, local_queued)
+        seq.timings.prefill_reason = decision.reason
+        if not decision.remote:
+            return
+        self.kv.allocate("target", [seq], [seq.tokens[state.computed:]])  # the destination, reserved first
+        job = self.remote.start_job(seq.tokens, state.computed, list(state.table), seq.cache_salt)
+        if job is None:  # every worker went down meanwhile; the blocks serve the local prefill
+            seq.timings.prefill_reason = "no_worker"
+            return
+        seq.remote_job = job
+        seq.status = Status.REMOTE
+        self.remote_seqs[job] = seq
+
+    def _poll_remote(self) -> None:
+        for closed in self.remote.poll():
+            if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
+                self.kv.pools["target"].release(table)  # its request ended before the job did
+                continue
+            seq = self.remote_seqs.pop(closed.job)
+            seq.remote_job = None
+            seq.timings.kv_transfer_bytes += closed.bytes
+            seq.timings.kv_transfer_ms += closed.transfer_s * 1000
+            if closed.outcome == "done":
+                seq.kv["target"].computed = seq.prompt_len
+                self.kv.publish(seq, "target")
+                seq.timings.prefill = "remote"
+                seq.status = Status.PREFILL
+                seq.first_logits = closed.logits
+                self._start_decoding(seq)
+            else:
+                self._recompute_locally(seq, closed)
+
+    def _recompute_locally(self, seq: Sequence, closed: Closed) -> None:
+        """A job lost (its worker died, stalled or failed): prefill here if the
+        deadline leaves time for it, else end the request with an error."""
+        state = seq.kv["target"]
+        self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
+        seq.timings.prefill_reason = "worker_lost"
+        need_s = (seq.prompt_len - state.computed) / self.remote.local_tokens_s
+        left_s = math.inf if seq.deadline is None else seq.deadline - time.perf_counter()
+        if need_s > left_s:
+            log.warning("request %s: %s; a local prefill (~%.1f s) would miss its deadline: it fails",
+                        seq.id, closed.why, need_s)
+            self.output.fail(seq, "internal", f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
+                                              f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
+            self._drop(seq)
+            return
+        log.warning("request %s: %s; prefilling it here instead", seq.id, closed.why)
+        seq.status = Status.PREFILL

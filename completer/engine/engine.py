@@ -14,10 +14,11 @@ from typing import TypeVar
 
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
-from completer.engine.request import Delta, EngineError, Finished, Request
+from completer.engine.request import Delta, EngineError, Failed, Finished, Request
 from completer.loading import LoadedModel
 
 T = TypeVar("T")
+TRANSFER_POLL_S = 0.02  # while only workers' K/V are awaited: how often deadlines are checked
 log = logging.getLogger(__name__)
 # glibc keeps what a burst of work freed (a 2 MB document's tokens, a long
 # prefill's activations) as its high-water mark: RSS rose 829 -> 939 MB over
@@ -91,11 +92,20 @@ class Engine:
         self._stopping = False
 
     @classmethod
-    def build(cls, target: LoadedModel, draft: LoadedModel | None,
-              config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig()) -> "Engine":
+    def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
+              spec: SpecConfig = SpecConfig(), remote=None) -> "Engine":
+        """remote: a `disagg.remote.RemotePrefill` (prefill workers), if any."""
         stop_ids = target.prompt_builder(1).stop_ids
-        return cls(EngineCore.build(target.model, draft.model if draft else None, target.tokenizer,
-                                    stop_ids, config, spec))
+        engine = cls(EngineCore.build(target.model, draft.model if draft else None, target.tokenizer,
+                                      stop_ids, config, spec, remote=remote))
+        if remote is not None:
+            remote.wake = engine._wake
+        return engine
+
+    def _wake(self) -> None:
+        """From a link thread: a worker job closed; step to take it in."""
+        with self._cond:
+            self._cond.notify()
 
     def start(self) -> None:
         """Start the loop's thread; returns once it has calibrated speculation's
@@ -129,6 +139,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.core.remote is not None:
+            self.core.remote.close()
 
     def submit(self, request: Request, supersede: str | None = None) -> RequestStream:
         """Queue a request. With `supersede` (a session and document), the
@@ -162,8 +174,14 @@ class Engine:
                 _malloc_trim(0)  # idle: the next request does not wait for it
                 busy = False
             with self._cond:
-                while not self._inbox and not core.has_work and not self._stopping:
-                    self._cond.wait()
+                while not self._inbox and not self._stopping:
+                    if not core.has_work:
+                        self._cond.wait()
+                    elif core.only_transfers:  # woken when one closes; deadlines still checked
+                        self._cond.wait(TRANSFER_POLL_S)
+                        break
+                    else:
+                        break
                 busy = True
                 if self._stopping:
                     return
@@ -182,7 +200,8 @@ class Engine:
                     events.append((arg.id, EngineError("internal", f"{type(e).__name__}: {e}")))
             if core.has_work:
                 try:
-                    events += [(e.id, e) for e in core.step()]
+                    events += [(e.id, EngineError(e.code, e.message) if isinstance(e, Failed) else e)
+                               for e in core.step()]
                 except Exception as e:  # fail this step's requests, not the server
                     log.exception("engine step failed; its %d running requests end with an internal error",
                                   len(core.scheduler.running))

@@ -9,7 +9,7 @@ decode steps go through CUDA graphs where enabled.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -37,13 +37,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, pool, max_blocks, cuda_graphs)
 
     @torch.inference_mode()
-    def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False) -> torch.Tensor:
+    def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
+                layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run each row's tokens at positions state.computed onward. Returns
         logits [B, T, V] (rows padded to the longest), or [B, V] for each row's
-        last token with `last_only`. Advances `computed`."""
+        last token with `last_only`. Advances `computed`. `layer_written(l)`
+        is called once layer l's new K/V are in the pool (a prefill worker
+        ships them while the next layers run)."""
         lens = [len(r) for r in rows]
         width = max(lens)
-        plain = self.graphs is not None and width == 1 and self.graphs.fits(len(rows))
+        plain = self.graphs is not None and width == 1 and self.graphs.fits(len(rows)) and layer_written is None
         meta = AttentionMetadata.build([s.table for s in states], [s.computed for s in states], lens,
                                        self.block_size, "cpu" if plain else self.device)
         if plain:
@@ -54,7 +57,7 @@ class ModelRunner:
             for b, row in enumerate(rows):
                 tokens[b, : len(row)] = torch.tensor(row)
             triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
-            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta)
+            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written)
             hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
             if last_only:
                 last = torch.tensor([n - 1 for n in lens], device=self.device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from completer.engine.request import Delta, Event, FinishReason, Finished
+from completer.engine.request import Delta, Event, Failed, FinishReason, Finished
 from completer.engine.sequence import Sequence
 
 
@@ -47,6 +47,9 @@ class OutputProcessor:
         t.ttft_ms = ((seq.first_token_at or now) - seq.arrival) * 1000
         t.generated_tokens = seq.num_generated
         self.events.append(Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t))
+
+    def fail(self, seq: Sequence, code: str, message: str) -> None:
+        self.events.append(Failed(seq.id, code, message))
 
     def drain(self) -> list[Event]:
         events, self.events = self.events, []

@@ -54,6 +54,12 @@ class Timings(msgspec.Struct):
     draft_accepted: int = 0
     draft_rounds: int = 0  # extension: verification passes that checked a proposal
     prefill: Literal["local", "remote"] = "local"
+    # Extensions (disaggregation): why the prompt was prefilled where it was
+    # (`disagg.decision` reasons, or "worker_lost": recomputed here after its
+    # worker failed), and the K/V shipped from a worker.
+    prefill_reason: str = ""
+    kv_transfer_bytes: int = 0
+    kv_transfer_ms: float = 0.0
 
 
 class Delta(msgspec.Struct, frozen=True):
@@ -71,7 +77,15 @@ class Finished(msgspec.Struct, frozen=True):
     timings: Timings
 
 
-Event = Delta | Finished
+class Failed(msgspec.Struct, frozen=True):
+    """A request the engine could not finish (the stream raises it as an EngineError)."""
+
+    id: str
+    code: str
+    message: str
+
+
+Event = Delta | Finished | Failed
 
 
 class EngineError(Exception):

@@ -11,7 +11,7 @@ handed back to be finished, here and between a step's passes.
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from completer.engine.config import EngineConfig
 from completer.engine.kv_cache_manager import KVCacheManager
@@ -42,9 +42,12 @@ def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequenc
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, route: Callable[[Sequence], None] | None = None):
+        """route: called on each admitted sequence (before its prefill is planned):
+        disaggregation may send its prompt to a worker (Status.REMOTE)."""
         self.config = config
         self.kv = kv
+        self.route = route
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -78,13 +81,18 @@ class Scheduler:
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
         for seq in self.running:
-            if seq.status is not Status.PREFILL:
+            if seq.status not in (Status.PREFILL, Status.REMOTE) or not (left := seq.prefill_left):
                 continue
             if budget <= 0:
                 break
             prefill.append((seq, budget))  # the drafter keeps pace within the same budget
-            budget -= min(budget, seq.prompt_len - seq.kv["target"].computed)
+            budget -= min(budget, left)
         return StepPlan(expired, prefill)
+
+    @property
+    def only_transfers(self) -> bool:
+        """Every running sequence waits for a worker's K/V: nothing to compute now."""
+        return bool(self.running) and all(s.status is Status.REMOTE for s in self.running)
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status is Status.DECODE]
@@ -99,3 +107,5 @@ class Scheduler:
             seq.timings.queue_ms = (now - seq.arrival) * 1000
             seq.timings.cached_tokens = seq.kv["target"].computed
             self.running.append(seq)
+            if self.route is not None:
+                self.route(seq)

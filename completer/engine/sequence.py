@@ -15,6 +15,7 @@ from completer.engine.stopping import OutputText
 class Status(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
+    REMOTE = "remote"  # its target K/V is being prefilled by a worker
     DECODE = "decode"
     FINISHED = "finished"
 
@@ -46,10 +47,21 @@ class Sequence:
         self.first_token_at: float | None = None
         self.timings = Timings(prompt_tokens=self.prompt_len)
         self.spec = spec  # acceptance per proposal source
+        self.remote_job: int | None = None  # the worker job writing its target K/V
+        self.first_logits: torch.Tensor | None = None  # once the target has the whole prompt
         self.ngram = None  # proposers.NgramIndex, built on first use
         self.generator: torch.Generator | None = None  # seeded sampling
         if request.params.seed is not None:
             self.generator = torch.Generator().manual_seed(request.params.seed)
+
+    def local_roles(self) -> list[str]:
+        """The pools this engine prefills itself."""
+        return [r for r in self.kv if not (r == "target" and self.remote_job is not None)]
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to prefill here, in the pool furthest behind."""
+        return self.prompt_len - min((self.kv[r].computed for r in self.local_roles()), default=self.prompt_len)
 
     @property
     def generated(self) -> list[int]:

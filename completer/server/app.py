@@ -44,6 +44,7 @@ class App:
         self.draft: LoadedModel | None = None
         self.engine: Engine | None = None
         self.pipeline: CompletionPipeline | None = None
+        self.local_workers: list = []  # disagg.local_workers.LocalWorker
         self.sessions: set[Session] = set()
         self.connections = 0
         self.stopping = False  # shutting down: no new requests start
@@ -58,8 +59,37 @@ class App:
         self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
                                               m.order or None, m.device)
 
+    async def start_workers(self) -> list[str]:
+        """Start the local prefill workers (disagg.workers); every worker's address."""
+        from completer.disagg.local_workers import LocalWorker
+
+        d = self.config.disagg
+        self.local_workers = [LocalWorker(self.config, self.token, i, d.worker_cpus[i] if i < len(d.worker_cpus) else [])
+                              for i in range(d.workers)]
+        local = await asyncio.gather(*(asyncio.to_thread(w.start) for w in self.local_workers))
+        return list(local) + list(d.remote_workers)
+
+    def connect_workers(self, addresses: list[str]):
+        """The decode side of disaggregation, its links up (or retrying)."""
+        from completer.disagg.remote import RemotePrefill
+        from completer.disagg.worker import model_shape
+
+        cfg, e = self.target.model.config, self.config.engine
+        shape = model_shape(self.target.name, cfg, self.target.precision, e.block_size, e.prefill_chunk)
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+        resolvers = [w.resolve for w in self.local_workers] + [None] * len(self.config.disagg.remote_workers)
+        remote = RemotePrefill(addresses, shape, self.token, self.config.disagg, kv_bytes, resolvers)
+        remote.start(wait_s=self.config.disagg.timeout_s)
+        return remote
+
+    def stop_workers(self) -> None:
+        for worker in self.local_workers:
+            worker.stop()
+
     async def start_engine(self, on_loaded=None) -> None:
-        """Load the models, call `on_loaded()`, then build and start the engine."""
+        """Load the models (and start the prefill workers), call `on_loaded()`,
+        then build and start the engine."""
+        workers = asyncio.ensure_future(self.start_workers()) if self.config.disagg.enabled else None
         try:
             await asyncio.to_thread(run_in_passing_thread, self.load_models)
         except (CheckpointError, ModelFetchError):
@@ -68,9 +98,15 @@ class App:
             first_line = (str(e).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{self.config.model.target}: cannot load the model "
                                   f"({type(e).__name__}: {first_line})") from e
+        remote = None
+        if workers is not None:
+            try:
+                remote = await asyncio.to_thread(self.connect_workers, await workers)
+            except RuntimeError as e:  # a local worker that could not start
+                raise CheckpointError(str(e)) from None
         if on_loaded is not None:
             on_loaded()
-        engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec)
+        engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, remote=remote)
         engine.start()
         self.pipeline = CompletionPipeline(self.target, self.config)
         self.engine = engine
@@ -104,6 +140,8 @@ class App:
             # Block 0 is scratch, never free nor handed out; a free block may
             # still hold cached K/V, but no sequence references it.
             live.kv_blocks_used = {role: pool.num_blocks - 1 - pool.num_free for role, pool in core.kv.pools.items()}
+            if core.remote is not None:
+                live.prefill_workers_up = core.remote.workers_up
         self.metrics.set_live(live)
 
     def unauthorized(self, conn: ServerConnection) -> Response:
@@ -207,6 +245,7 @@ class App:
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
             if loading.done() and loading.exception() is not None:
+                self.stop_workers()
                 raise loading.exception()
             if on_listening is not None and loading.done():
                 on_listening(port, self)
@@ -218,6 +257,7 @@ class App:
             await self.close_connections(server, end - asyncio.get_running_loop().time())
         if self.engine is not None:
             self.engine.stop()
+        self.stop_workers()
 
 
 def run(config: Config, token: str, token_source: str) -> int:
@@ -230,6 +270,13 @@ def run(config: Config, token: str, token_source: str) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
+    if cpus := config.disagg.engine_cpus:  # before torch starts threads; workers pin themselves
+        import os
+
+        import torch
+
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
     app = App(config, token)
     scheme = "wss" if s.tls_cert else "ws"
 

@@ -87,6 +87,7 @@ class Live(msgspec.Struct):
     kv_blocks_used: dict[str, int] = {}  # pool ("target", "draft") -> blocks referenced
     event_loop_tasks: int = 0
     requests_in_flight: int = 0  # across sessions
+    prefill_workers_up: int = 0  # disaggregation: workers connected now
 
 
 def bin_of(seconds: float) -> int:
@@ -279,6 +280,14 @@ class Metrics:
                                         "Connections closed because the reader fell send_queue_frames behind.",
                                         registry=r)
         self.prefills = Counter("completer_prefill", "Prefills by where they ran.", ["kind"], registry=r)
+        self.prefill_decisions = Counter(
+            "completer_prefill_decisions", "Disaggregation: where each prompt was prefilled, and why "
+            "(worker_lost: recomputed here after its worker failed).", ["route", "reason"], registry=r)
+        self.kv_transfer_bytes = Counter("completer_kv_transfer_bytes", "K/V bytes received from prefill workers.",
+                                         registry=r)
+        self.kv_transfer_seconds = Histogram("completer_kv_transfer_seconds", "Time receiving one request's K/V "
+                                             "from a prefill worker.", buckets=LATENCY_BUCKETS, registry=r)
+        self.workers_up = Gauge("completer_prefill_workers_up", "Prefill workers connected.", registry=r)
         self.shown_chars = Counter("completer_feedback_shown_chars", "Characters of completions reported shown.",
                                    registry=r)
         self.accepted_chars = Counter("completer_feedback_accepted_chars", "Characters accepted by users.",
@@ -308,6 +317,14 @@ class Metrics:
             self.kv_blocks_used.labels(pool).set(used)
         self.loop_tasks.set(live.event_loop_tasks)
         self.in_flight.set(live.requests_in_flight)
+        self.workers_up.set(live.prefill_workers_up)
+
+    def observe_prefill(self, route: str, reason: str, kv_bytes: int, kv_seconds: float) -> None:
+        """A finished request's prefill, when disaggregation decided where it ran."""
+        self.prefill_decisions.labels(route, reason).inc()
+        if kv_bytes:
+            self.kv_transfer_bytes.inc(kv_bytes)
+            self.kv_transfer_seconds.observe(kv_seconds)
 
     def observe(self, record: Record, reason: str, prefill_kind: str) -> None:
         self.ttft.observe(record.ttft)

@@ -209,6 +209,8 @@ class Session:
             queue=t.queue_ms / 1000, prefill=max(0.0, ttft - t.queue_ms / 1000), decode=decode_s,
             prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens, generated=t.generated_tokens,
             proposed=t.draft_proposed, accepted=t.draft_accepted), done.reason, t.prefill)
+        if t.prefill_reason:
+            app.metrics.observe_prefill(t.prefill, t.prefill_reason, t.kv_transfer_bytes, t.kv_transfer_ms / 1000)
 
     def remember_shown(self, request_id: str, chars: int) -> None:
         self.shown[request_id] = chars
