@@ -11,8 +11,6 @@ speculate), `sampler` and `rejection_sampler` (choosing tokens),
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +23,7 @@ from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.model_runner import ModelRunner
 from completer.engine.output_processor import OutputProcessor
 from completer.engine.paged_kv import KVPool, pool_blocks
+from completer.engine.remote_prefill import RemotePrefillSteps
 from completer.engine.proposers import DraftModelProposer, NgramProposer, Proposal
 from completer.engine.rejection_sampler import accept_greedy, accept_sampled
 from completer.engine.request import EngineError, Event, FinishReason, Request
@@ -39,9 +38,7 @@ from completer.model import Transformer
 from completer.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from completer.disagg.remote import Closed, RemotePrefill
-
-log = logging.getLogger(__name__)
+    from completer.disagg.remote import RemotePrefill
 
 
 class EngineCore:
@@ -55,15 +52,7 @@ class EngineCore:
         self.kv = kv
         self.tokenizer = tokenizer
         self.config, self.spec = config, spec
-        self.remote = remote
-        self.scheduler = Scheduler(config, kv, route=self._route if remote is not None else None)
-        self.remote_seqs: dict[int, Sequence] = {}  # open worker job -> the sequence it prefills
-        # Target blocks of requests that ended while a worker could still write
-        # them: the job owns them until it closes (see disagg.remote).
-        self.held_by_jobs: dict[int, list[int]] = {}
-        self.decode_pass_s = 0.0  # the last decode pass (the decision's cost of local chunks)
-        if remote is not None:
-            remote.register(self.target.pool)
+        self.scheduler = Scheduler(config, kv)
         self.sampler = Sampler(TokenHealer(tokenizer))
         self.output = OutputProcessor(set(stop_ids))
         self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
@@ -74,6 +63,11 @@ class EngineCore:
             proposers.append(DraftModelProposer(self.draft, kv, self.sampler, self.policy.costs))
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
         self.by_id: dict[str, Sequence] = {}
+        self.disagg: RemotePrefillSteps | None = None
+        if remote is not None:
+            remote.register(self.target.pool)
+            self.disagg = RemotePrefillSteps(remote, kv, self.scheduler, self.output, config.prefill_chunk)
+            self.scheduler.route = self.disagg.route
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -151,8 +145,12 @@ class EngineCore:
     # -- the iteration ------------------------------------------------------
 
     def step(self) -> list[Event]:
-        if self.remote is not None:
-            self._poll_remote()
+        if self.disagg is not None:
+            ready, lost = self.disagg.poll()
+            for seq in ready:
+                self._start_decoding(seq)
+            for seq in lost:
+                self._drop(seq)
         plan = self.scheduler.schedule(time.perf_counter())
         for seq in plan.expired:
             self._finish(seq, "deadline")
@@ -164,9 +162,7 @@ class EngineCore:
         if decoding:
             torch.set_num_threads(self.decode_threads)
             proposals = self.speculator.propose(decoding)
-            started = time.perf_counter()
             accepted = self._verify(decoding, proposals)
-            self.decode_pass_s = time.perf_counter() - started
             for seq, tokens in zip(decoding, accepted):
                 self._postprocess(seq, tokens)
             self._expire()  # nor wait for the next step to end
@@ -203,8 +199,8 @@ class EngineCore:
                     self.kv.publish(seq, role)
                     if role == "target":
                         last[seq.id] = logits[b]
-                if role == "target" and self.remote is not None:
-                    self.remote.observe_local(sum(map(len, rows)), time.perf_counter() - started)
+                if role == "target" and self.disagg is not None:
+                    self.disagg.remote.observe_local(sum(map(len, rows)), time.perf_counter() - started)
         for seq, _ in plan:
             if seq.id in last and seq.kv["target"].computed == seq.prompt_len:
                 seq.first_logits = last[seq.id]
@@ -237,6 +233,8 @@ class EngineCore:
                 out.append(accept_sampled(drafts, probs, row, seq.params.temperature, seq.generator))
         # Timed up to here: choosing the tokens waits for the pass to finish (on a GPU too).
         self.policy.costs.observe_target(len(seqs), max(map(len, rows)), time.perf_counter() - started)
+        if self.disagg is not None:
+            self.disagg.decode_pass_s = time.perf_counter() - started
         for seq, tokens in zip(seqs, out):
             if seq.id in proposals:
                 self.speculator.observe(seq, proposals[seq.id], len(tokens) - 1)
@@ -258,13 +256,8 @@ class EngineCore:
         self.output.finish(seq, reason)
 
     def _drop(self, seq: Sequence) -> None:
-        if (job := seq.remote_job) is not None:  # a worker may still write its blocks: the job keeps them
-            seq.remote_job = None
-            del self.remote_seqs[job]
-            state = seq.kv["target"]
-            self.held_by_jobs[job] = state.table
-            state.table, state.computed, state.chain = [], 0, []
-            self.remote.abort(job)
+        if seq.remote_job is not None:  # a worker may still write its blocks: its job keeps them
+            self.disagg.hand_over(seq)
         self.kv.free(seq)
         if seq.status is not Status.FINISHED:
             self.scheduler.remove(seq)
@@ -282,60 +275,3 @@ class EngineCore:
             self._drop(seq)
         return [(e.id, e) for e in self.output.drain()] + \
             [(s.id, EngineError("internal", message)) for s in failed]
-
-    # -- disaggregated prefill --------------------------------------------------
-
-    def _route(self, seq: Sequence) -> None:
-        """On admission: this prompt's uncached part to a worker, or not (`disagg.decision`)."""
-        state = seq.kv["target"]
-        local_queued = sum(s.prefill_left for s in self.scheduler.running if s.status is Status.PREFILL and s is not seq)
-        pass_s = self.decode_pass_s if any(s.status is Status.DECODE for s in self.scheduler.running) else 0.0
-        decision = self.remote.choose(seq.prompt_len - state.computed, self.config.prefill_chunk, pass_s, local_queued)
-        seq.timings.prefill_reason = decision.reason
-        if not decision.remote:
-            return
-        self.kv.allocate("target", [seq], [seq.tokens[state.computed:]])  # the destination, reserved first
-        job = self.remote.start_job(seq.tokens, state.computed, list(state.table), seq.cache_salt)
-        if job is None:  # every worker went down meanwhile; the blocks serve the local prefill
-            seq.timings.prefill_reason = "no_worker"
-            return
-        seq.remote_job = job
-        seq.status = Status.REMOTE
-        self.remote_seqs[job] = seq
-
-    def _poll_remote(self) -> None:
-        for closed in self.remote.poll():
-            if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
-                self.kv.pools["target"].release(table)  # its request ended before the job did
-                continue
-            seq = self.remote_seqs.pop(closed.job)
-            seq.remote_job = None
-            seq.timings.kv_transfer_bytes += closed.bytes
-            seq.timings.kv_transfer_ms += closed.transfer_s * 1000
-            if closed.outcome == "done":
-                seq.kv["target"].computed = seq.prompt_len
-                self.kv.publish(seq, "target")
-                seq.timings.prefill = "remote"
-                seq.status = Status.PREFILL
-                seq.first_logits = closed.logits
-                self._start_decoding(seq)
-            else:
-                self._recompute_locally(seq, closed)
-
-    def _recompute_locally(self, seq: Sequence, closed: Closed) -> None:
-        """A job lost (its worker died, stalled or failed): prefill here if the
-        deadline leaves time for it, else end the request with an error."""
-        state = seq.kv["target"]
-        self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
-        seq.timings.prefill_reason = "worker_lost"
-        need_s = (seq.prompt_len - state.computed) / self.remote.local_tokens_s
-        left_s = math.inf if seq.deadline is None else seq.deadline - time.perf_counter()
-        if need_s > left_s:
-            log.warning("request %s: %s; a local prefill (~%.1f s) would miss its deadline: it fails",
-                        seq.id, closed.why, need_s)
-            self.output.fail(seq, "internal", f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
-                                              f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
-            self._drop(seq)
-            return
-        log.warning("request %s: %s; prefilling it here instead", seq.id, closed.why)
-        seq.status = Status.PREFILL

@@ -139,8 +139,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        if self.core.remote is not None:
-            self.core.remote.close()
+        if self.core.disagg is not None:
+            self.core.disagg.remote.close()
 
     def submit(self, request: Request, supersede: str | None = None) -> RequestStream:
         """Queue a request. With `supersede` (a session and document), the

@@ -140,8 +140,8 @@ class App:
             # Block 0 is scratch, never free nor handed out; a free block may
             # still hold cached K/V, but no sequence references it.
             live.kv_blocks_used = {role: pool.num_blocks - 1 - pool.num_free for role, pool in core.kv.pools.items()}
-            if core.remote is not None:
-                live.prefill_workers_up = core.remote.workers_up
+            if core.disagg is not None:
+                live.prefill_workers_up = core.disagg.remote.workers_up
         self.metrics.set_live(live)
 
     def unauthorized(self, conn: ServerConnection) -> Response:

@@ -1,0 +1,103 @@
+"""The engine core's side of disaggregated prefill: on admission, route a
+prompt to a worker (reserving its destination blocks first); each step, take
+in the jobs that closed (K/V complete: the sequence joins the decode batch;
+lost: prefill here if the deadline allows); when a request ends while a
+worker may still write its blocks, hand the blocks to the job until it
+closes (`disagg.remote` says who owns what)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.output_processor import OutputProcessor
+from completer.engine.scheduler import Scheduler
+from completer.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from completer.disagg.remote import Closed, RemotePrefill
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefillSteps:
+    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, scheduler: Scheduler, output: OutputProcessor,
+                 prefill_chunk: int):
+        self.remote, self.kv, self.scheduler, self.output = remote, kv, scheduler, output
+        self.prefill_chunk = prefill_chunk
+        self.remote_seqs: dict[int, Sequence] = {}  # open job -> the sequence it prefills
+        self.held_by_jobs: dict[int, list[int]] = {}  # job -> target blocks of a request that ended first
+        self.decode_pass_s = 0.0  # the last decode pass: what each local chunk also waits for
+
+    def route(self, seq: Sequence) -> None:
+        """On admission: this prompt's uncached part to a worker, or not (`disagg.decision`)."""
+        state = seq.kv["target"]
+        running = self.scheduler.running
+        local_queued = sum(s.prefill_left for s in running if s.status is Status.PREFILL and s is not seq)
+        pass_s = self.decode_pass_s if any(s.status is Status.DECODE for s in running) else 0.0
+        decision = self.remote.choose(seq.prompt_len - state.computed, self.prefill_chunk, pass_s, local_queued)
+        seq.timings.prefill_reason = decision.reason
+        if not decision.remote:
+            return
+        self.kv.allocate("target", [seq], [seq.tokens[state.computed:]])  # the destination, reserved first
+        job = self.remote.start_job(seq.tokens, state.computed, list(state.table), seq.cache_salt)
+        if job is None:  # every worker went down meanwhile; the blocks serve the local prefill
+            seq.timings.prefill_reason = "no_worker"
+            return
+        seq.remote_job = job
+        seq.status = Status.REMOTE
+        self.remote_seqs[job] = seq
+
+    def hand_over(self, seq: Sequence) -> None:
+        """`seq` ends while its job may still write its target blocks: they
+        stay the job's (released when it closes), and the job is aborted."""
+        job, seq.remote_job = seq.remote_job, None
+        del self.remote_seqs[job]
+        state = seq.kv["target"]
+        self.held_by_jobs[job] = state.table
+        state.table, state.computed, state.chain = [], 0, []
+        self.remote.abort(job)
+
+    def poll(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The jobs that closed since the last step: (sequences whose target
+        now holds the whole prompt, sequences that failed and must be dropped)."""
+        ready, failed = [], []
+        for closed in self.remote.poll():
+            if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
+                self.kv.pools["target"].release(table)
+                continue
+            seq = self.remote_seqs.pop(closed.job)
+            seq.remote_job = None
+            seq.timings.kv_transfer_bytes += closed.bytes
+            seq.timings.kv_transfer_ms += closed.transfer_s * 1000
+            if closed.outcome == "done":
+                seq.kv["target"].computed = seq.prompt_len
+                self.kv.publish(seq, "target")
+                seq.timings.prefill = "remote"
+                seq.status = Status.PREFILL
+                seq.first_logits = closed.logits
+                ready.append(seq)
+            elif not self._recompute_here(seq, closed):
+                failed.append(seq)
+        return ready, failed
+
+    def _recompute_here(self, seq: Sequence, closed: Closed) -> bool:
+        """A job lost (its worker died, stalled or failed): prefill here if the
+        deadline leaves time for it; else the request fails (False)."""
+        state = seq.kv["target"]
+        self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
+        seq.timings.prefill_reason = "worker_lost"
+        need_s = (seq.prompt_len - state.computed) / self.remote.local_tokens_s
+        left_s = math.inf if seq.deadline is None else seq.deadline - time.perf_counter()
+        if need_s > left_s:
+            log.warning("request %s: %s; a prefill here (~%.1f s) would miss its deadline: it fails",
+                        seq.id, closed.why, need_s)
+            self.output.fail(seq, "internal", f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
+                                              f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
+            return False
+        log.warning("request %s: %s; prefilling it here instead", seq.id, closed.why)
+        seq.status = Status.PREFILL
+        return True

@@ -1,0 +1,325 @@
+"""Conditional disaggregation: the routing decision, and real prefill worker
+processes (the embedded model) shipping K/V into an engine in this process:
+identical output, cancellation, a worker killed or stalled mid-transfer, and
+no block left held on either side."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from completer.config import load_config
+from completer.disagg.decision import Estimates, PoolState, decide
+from completer.disagg.local_workers import LocalWorker
+from completer.disagg.remote import RemotePrefill
+from completer.disagg.worker import model_shape
+from completer.engine.engine import Engine, run_in_passing_thread
+from completer.engine.request import EngineError, Finished
+from completer.engine.sequence import Status
+from completer.evaluate import heldout_files
+from completer.loading import load_models
+from completer.pipeline import CompletionPipeline, RequestOptions
+from completer.protocol import Document
+
+TOKEN = "test-token-1234567890"
+
+# -- the decision ---------------------------------------------------------------
+
+EST = Estimates(local_tokens_s=1000.0, remote_tokens_s=1000.0, link_bytes_s=1e9, kv_bytes_per_token=46_080,
+                decode_pass_s=0.02, local_queued_tokens=0)
+UP = PoolState(workers_up=1, least_queued_tokens=0)
+
+
+def route(uncached, pool=UP, est=EST, threshold=1024, max_queue=8192, slack=1.5):
+    return decide(uncached, threshold, max_queue, slack, 512, pool, est)
+
+
+def test_a_prompt_at_the_threshold_stays_local_and_one_token_more_goes_remote():
+    assert route(1024) == (False, "short", 0.0, 0.0)
+    decision = route(1025)
+    assert decision.remote and decision.reason == "long"
+
+
+def test_no_worker_up_keeps_every_prompt_local():
+    assert route(6000, pool=PoolState(0, 0)).reason == "no_worker"
+    assert not route(6000, pool=PoolState(0, 0)).remote
+
+
+def test_a_worker_queue_at_its_limit_takes_no_more():
+    # (a large slack: the queue's wait alone would make local faster)
+    assert route(2000, pool=PoolState(1, 6192), slack=100).remote  # 6,192 + 2,000 = the limit
+    assert route(2001, pool=PoolState(1, 6192), slack=100)[:2] == (False, "queue_full")
+
+
+def test_remote_is_chosen_only_within_the_slack_of_the_local_estimate():
+    idle = EST._replace(decode_pass_s=0.0)  # nothing decoding: local is the prefill alone
+    slow_worker = idle._replace(remote_tokens_s=500.0)  # twice the local time, past a 1.5x slack
+    assert route(4000, est=slow_worker).reason == "local_faster"
+    assert route(4000, est=slow_worker, slack=2.5).remote
+    # A busy decode engine: each local chunk also waits for a decode pass, which the remote path skips.
+    busy = slow_worker._replace(decode_pass_s=0.5)
+    assert route(4000, est=busy).remote
+
+
+# -- real workers ---------------------------------------------------------------
+
+
+def config_of(*overrides: str):
+    return load_config(None, ['model.target="embedded"', "disagg.enabled=true", "disagg.threshold_tokens=64",
+                              "disagg.remote_slack=1000", "disagg.timeout_s=1.0", "model.context_tokens=1024",
+                              "engine.kv_cache_mb=96", "engine.prefill_chunk=128", "spec.draft_model=false",
+                              "spec.ngram=false", "request.deadline_ms=60000", *overrides])
+
+
+CONFIG = config_of()
+
+
+@pytest.fixture(scope="module")
+def target():
+    m = CONFIG.model
+    loaded, _ = run_in_passing_thread(load_models, m.target, "", m.precision)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = LocalWorker(CONFIG, TOKEN, 0, [])
+    w.start()
+    yield w
+    w.stop()
+
+
+def remote_for(target, worker: LocalWorker, config=CONFIG, **shape_changes) -> RemotePrefill:
+    cfg, e = target.model.config, config.engine
+    shape = model_shape(target.name, cfg, target.precision, e.block_size, e.prefill_chunk)
+    shape = type(shape)(**{**{f: getattr(shape, f) for f in shape.__struct_fields__}, **shape_changes})
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    remote = RemotePrefill([worker.address], shape, TOKEN, config.disagg, kv_bytes, [worker.resolve])
+    remote.start(wait_s=2.0)
+    return remote
+
+
+def documents(n: int, seed: int, chars: tuple[int, int] = (600, 2400)) -> list[Document]:
+    """Cursors in held-out files, each a different document (nothing shared but the template)."""
+    _, files = heldout_files()
+    rng = random.Random(seed)
+    texts = [f.text for f in files if len(f.text) > chars[1] + 200]
+    out = []
+    for i in range(n):
+        text = rng.choice(texts)
+        start = rng.randrange(0, len(text) - chars[1] - 100)
+        cut = start + rng.randrange(*chars)
+        out.append(Document(f"file:///doc{seed}-{i}.py", f"# {seed}-{i}\n" + text[start:cut], text[cut:cut + 200]))
+    return out
+
+
+async def complete(engine: Engine, pipeline: CompletionPipeline, request_id: str, doc: Document,
+                   options: RequestOptions = RequestOptions(mode="free", max_tokens=16)) -> Finished:
+    return await engine.submit(pipeline.request(request_id, doc, options=options)).finished()
+
+
+def engine_with(target, remote: RemotePrefill | None, config=CONFIG) -> Engine:
+    return Engine.build(target, None, config.engine, config.spec, remote=remote)
+
+
+def blocks_referenced(engine: Engine) -> int:
+    return sum(p.num_blocks - 1 - p.num_free for p in engine.core.kv.pools.values())
+
+
+def test_a_disaggregated_completion_is_token_for_token_the_local_one(target, worker):
+    """Greedy, 50 prompts (speculation off: its verify widths vary with timing,
+    which changes the arithmetic between any two runs, local or not)."""
+    pipeline = CompletionPipeline(target, CONFIG)
+
+    async def main():
+        remote = remote_for(target, worker)
+        disagg, local = engine_with(target, remote), engine_with(target, None)
+        disagg.start()
+        local.start()
+        try:
+            pairs = []
+            for i, doc in enumerate(documents(50, seed=1)):
+                pairs.append((await complete(disagg, pipeline, f"d{i}", doc),
+                              await complete(local, pipeline, f"l{i}", doc)))
+            return pairs
+        finally:
+            disagg.stop()
+            local.stop()
+
+    pairs = asyncio.run(main())
+    assert [a.timings.prefill for a, _ in pairs] == ["remote"] * 50
+    assert all(a.timings.kv_transfer_bytes > 0 for a, _ in pairs)
+    assert [a.text for a, _ in pairs] == [b.text for _, b in pairs]
+    assert [a.reason for a, _ in pairs] == [b.reason for _, b in pairs]
+
+
+def test_a_short_prompt_never_leaves_the_decode_engine(target, worker):
+    config = config_of("disagg.threshold_tokens=900")
+    pipeline = CompletionPipeline(target, config)
+
+    async def main():
+        remote = remote_for(target, worker, config)
+        engine = engine_with(target, remote, config)
+        engine.start()
+        try:
+            return [await complete(engine, pipeline, f"s{i}", doc) for i, doc in enumerate(documents(5, seed=2))]
+        finally:
+            engine.stop()
+
+    done = asyncio.run(main())
+    assert {(d.timings.prefill, d.timings.prefill_reason, d.timings.kv_transfer_bytes) for d in done} == \
+        {("local", "short", 0)}
+
+
+def test_a_worker_serving_other_kv_is_refused_and_prompts_stay_local(target, worker):
+    pipeline = CompletionPipeline(target, CONFIG)
+
+    async def main():
+        remote = remote_for(target, worker, block_size=32)  # K/V laid out differently: must not be mixed
+        engine = engine_with(target, remote)
+        engine.start()
+        try:
+            return remote.workers_up, await complete(engine, pipeline, "r", documents(1, seed=3)[0])
+        finally:
+            engine.stop()
+
+    up, done = asyncio.run(main())
+    assert up == 0
+    assert (done.timings.prefill, done.timings.prefill_reason) == ("local", "no_worker")
+
+
+def interrupted_mid_transfer(target, how: signal.Signals,
+                             local_tokens_s: float | None = None) -> tuple[Finished | EngineError, Finished, float]:
+    """A long prompt on its own worker, which gets `how` once the first K/V
+    group of the job has arrived; (that completion or its error, the same
+    one computed locally, seconds from the signal to the end).
+    local_tokens_s: what the engine believes its own prefill rate is."""
+    config = config_of("engine.prefill_chunk=32", "model.context_tokens=2048", "engine.kv_cache_mb=256")
+    pipeline = CompletionPipeline(target, config)
+    victim = LocalWorker(config, TOKEN, 9, [])
+    victim.start()
+    doc = documents(1, seed=4, chars=(5000, 6000))[0]
+
+    async def main():
+        remote = remote_for(target, victim, config)
+        if local_tokens_s is not None:
+            remote.local_tokens_s = local_tokens_s
+        engine, local = engine_with(target, remote, config), engine_with(target, None, config)
+        engine.start()
+        local.start()
+        try:
+            stream = engine.submit(pipeline.request("victim", doc, options=RequestOptions(mode="free", max_tokens=16)))
+            link = remote.links[0]
+            while not any(job.groups for job in list(link.jobs.values())):
+                await asyncio.sleep(0.001)
+            os.kill(victim.proc.pid, how)
+            signalled = time.perf_counter()
+            try:
+                done = await stream.finished()
+            except EngineError as e:
+                done = e
+            ended = time.perf_counter() - signalled
+            assert blocks_referenced(engine) == 0 and not engine.core.disagg.held_by_jobs
+            return done, await complete(local, pipeline, "local", doc), ended
+        finally:
+            engine.stop()
+            local.stop()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if how == signal.SIGSTOP:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.stop()
+
+
+def test_a_worker_killed_mid_transfer_leaves_its_request_completed_here(target):
+    done, local, _ = interrupted_mid_transfer(target, signal.SIGKILL)
+    assert (done.timings.prefill, done.timings.prefill_reason) == ("local", "worker_lost")
+    assert done.timings.kv_transfer_bytes > 0  # some K/V had crossed before the worker died
+    assert (done.text, done.reason) == (local.text, local.reason)
+
+
+def test_a_stalled_worker_is_declared_down_within_its_timeout_and_its_request_completes_here(target):
+    done, local, ended = interrupted_mid_transfer(target, signal.SIGSTOP)
+    assert (done.timings.prefill, done.timings.prefill_reason) == ("local", "worker_lost")
+    assert (done.text, done.reason) == (local.text, local.reason)
+    assert ended < 1.0 + 0.5 + 10  # disagg.timeout_s, the supervisor's tick, then the local prefill
+
+
+def test_a_job_lost_mid_transfer_with_too_little_deadline_left_to_prefill_here_fails_clearly(target):
+    error, _, ended = interrupted_mid_transfer(target, signal.SIGKILL, local_tokens_s=1.0)
+    assert isinstance(error, EngineError) and error.code == "internal"
+    assert "prefill worker lost" in str(error) and "deadline" in str(error)
+    assert ended < 5.0  # at once, not at the deadline
+
+
+def test_a_thousand_requests_with_a_third_cancelled_mid_transfer_leave_no_block_held_on_either_side(target, worker):
+    config = CONFIG  # the shared worker's: a worker serves engines whose K/V layout and chunks are its own
+    pipeline = CompletionPipeline(target, config)
+    docs = documents(40, seed=5, chars=(400, 1200))
+    rng = random.Random(5)
+
+    async def main():
+        remote = remote_for(target, worker, config)
+        engine = engine_with(target, remote, config)
+        terminal = Counter()
+        dispatch = engine._dispatch
+
+        def counting(events):  # every answer the engine gives, before the streams see them
+            terminal.update(i for i, e in events if isinstance(e, (Finished, EngineError)))
+            dispatch(events)
+
+        engine._dispatch = counting
+        engine.start()
+        cancelled_mid_transfer = 0
+        outcomes = Counter()
+
+        async def one(i: int):
+            nonlocal cancelled_mid_transfer
+            request = pipeline.request(f"k{i}", docs[i % len(docs)],
+                                       options=RequestOptions(mode="free", max_tokens=4, cache_salt=str(i)))
+            stream = engine.submit(request)
+            if rng.random() < 0.3:
+                seq = None
+                for _ in range(2000):  # until its K/V is on the way
+                    seq = engine.core.by_id.get(request.id)
+                    job = seq.remote_job if seq is not None else None
+                    link_jobs = remote.links[0].jobs
+                    if job is not None and job in link_jobs and link_jobs[job].groups:
+                        break
+                    if seq is None and stream.result is None and not stream.queue.empty():
+                        break
+                    await asyncio.sleep(0.0005)
+                if seq is not None and seq.status is Status.REMOTE:
+                    cancelled_mid_transfer += 1
+                engine.cancel(request.id)
+            try:
+                outcomes[(await stream.finished()).reason] += 1
+            except EngineError as e:
+                outcomes[e.code] += 1
+
+        try:
+            for start in range(0, 1000, 8):
+                await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+            for _ in range(200):  # the last aborts' answers
+                if not engine.core.disagg.held_by_jobs and remote.worker_blocks_held.get(worker.address) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return (terminal, outcomes, cancelled_mid_transfer, blocks_referenced(engine),
+                    dict(engine.core.disagg.held_by_jobs), remote.worker_blocks_held.get(worker.address), remote.workers_up)
+        finally:
+            engine.stop()
+
+    terminal, outcomes, mid, decode_held, jobs_held, worker_held, up = asyncio.run(main())
+    assert len(terminal) == 1000 and set(terminal.values()) == {1}  # none lost, none answered twice
+    assert sum(outcomes.values()) == 1000 and outcomes["cancelled"] >= 250
+    assert mid >= 150  # most cancels hit a job whose K/V was crossing
+    assert (decode_held, jobs_held, worker_held) == (0, {}, 0)
+    assert up == 1  # aborts answered in time: the worker was never declared down
