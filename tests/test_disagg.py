@@ -208,11 +208,11 @@ def interrupted_mid_transfer(target, how: signal.Signals,
 
     async def main():
         remote = remote_for(target, victim, config)
+        engine, local = engine_with(target, remote, config), engine_with(target, None, config)
+        engine.start()  # measures the engine's own prefill rate
+        local.start()
         if local_tokens_s is not None:
             remote.local_tokens_s = local_tokens_s
-        engine, local = engine_with(target, remote, config), engine_with(target, None, config)
-        engine.start()
-        local.start()
         try:
             stream = engine.submit(pipeline.request("victim", doc, options=RequestOptions(mode="free", max_tokens=16)))
             link = remote.links[0]

@@ -49,6 +49,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     error: str = ""  # not empty: refused (wrong token, another model), and why
+    tokens_s: float = 0.0  # its prefill rate, measured at its start
 
 
 class Group(msgspec.Struct, tag="group", frozen=True):

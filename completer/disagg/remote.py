@@ -81,6 +81,7 @@ class WorkerLink:
         self.backoff = 0.25
         self.generation = 0
         self.failures = 0
+        self.tokens_s = PRIOR_TOKENS_S  # its prefill rate: from its welcome, then from its jobs
 
     @property
     def queued_tokens(self) -> int:
@@ -102,6 +103,8 @@ class WorkerLink:
             if not isinstance(welcome, Welcome) or welcome.error:
                 raise ConnectionRefusedError(getattr(welcome, "error", "") or f"unexpected {welcome!r}")
             pair = KVPair(store, self.generation, KVPair.DECODE, local, r.config.timeout_s)
+            if welcome.tokens_s > 0:
+                self.tokens_s = welcome.tokens_s
         except BaseException:
             channel.close()
             raise
@@ -114,7 +117,7 @@ class WorkerLink:
         threading.Thread(target=self._read_loop, args=(channel, pair), name="prefill-link", daemon=True).start()
         log.info("prefill worker %s is up", self.address)
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, level: int = logging.WARNING) -> None:
         """Down: every open job closes as lost; reconnects with backoff."""
         with self.lock:
             if not self.up:
@@ -125,8 +128,8 @@ class WorkerLink:
             self.failures += 1
             self.retry_at = time.monotonic() + self.backoff
             self.backoff = min(self.backoff * 2, self.remote.config.retry_max_s)
-        log.warning("prefill worker %s is down (%s); %d job(s) lost, retrying in %.1f s",
-                    self.address, why, len(jobs), self.retry_at - time.monotonic())
+        log.log(level, "prefill worker %s is down (%s); %d job(s) lost, retrying in %.1f s",
+                self.address, why, len(jobs), self.retry_at - time.monotonic())
         channel.close()
         pair.close()
         for job in jobs:
@@ -166,7 +169,8 @@ class WorkerLink:
                     if job is None:
                         continue
                     if isinstance(msg, Done):
-                        self.remote.observe_remote(msg.computed, msg.compute_s)
+                        if msg.computed >= 64 and msg.compute_s > 0:
+                            self.tokens_s += EWMA * (msg.computed / msg.compute_s - self.tokens_s)
                         logits = torch.frombuffer(bytearray(msg.logits), dtype=torch.float32)
                         self.remote.closed(job, "done", logits=logits, computed=msg.computed)
                     elif isinstance(msg, Failed):
@@ -216,7 +220,7 @@ class RemotePrefill:
         self.pool: KVPool | None = None
         self.job_link: dict[int, WorkerLink] = {}
         self.next_job = 1
-        self.local_tokens_s = self.remote_tokens_s = PRIOR_TOKENS_S
+        self.local_tokens_s = PRIOR_TOKENS_S  # the decode engine's prefill rate (measured at its start)
         self.link_bytes_s = PRIOR_LINK_BYTES_S
         self.worker_blocks_held: dict[str, int] = {}
         self._stop = threading.Event()
@@ -246,7 +250,7 @@ class RemotePrefill:
     def close(self) -> None:
         self._stop.set()
         for link in self.links:
-            link.fail("shutting down")
+            link.fail("shutting down", logging.INFO)
 
     @property
     def workers_up(self) -> int:
@@ -255,10 +259,11 @@ class RemotePrefill:
     # -- the engine's calls ---------------------------------------------------
 
     def choose(self, uncached: int, chunk: int, decode_pass_s: float, local_queued_tokens: int) -> Decision:
-        up = [link.queued_tokens for link in self.links if link.up]
-        pool = PoolState(len(up), min(up, default=0))
-        est = Estimates(self.local_tokens_s, self.remote_tokens_s, self.link_bytes_s, self.kv_bytes_per_token,
-                        decode_pass_s, local_queued_tokens)
+        up = [link for link in self.links if link.up]
+        least = min(up, key=lambda link: link.queued_tokens, default=None)
+        pool = PoolState(len(up), least.queued_tokens if least else 0)
+        est = Estimates(self.local_tokens_s, least.tokens_s if least else PRIOR_TOKENS_S, self.link_bytes_s,
+                        self.kv_bytes_per_token, decode_pass_s, local_queued_tokens)
         c = self.config
         return decide(uncached, c.threshold_tokens, c.max_queue_tokens, c.remote_slack, chunk, pool, est)
 
@@ -302,10 +307,6 @@ class RemotePrefill:
                 self.link_bytes_s += EWMA * (job.bytes / job.recv_s - self.link_bytes_s)
         self.events.put(Closed(job.id, outcome, bytes=job.bytes, transfer_s=job.recv_s, **fields))
         self.wake()
-
-    def observe_remote(self, tokens: int, seconds: float) -> None:
-        if tokens >= 64 and seconds > 0:
-            self.remote_tokens_s += EWMA * (tokens / seconds - self.remote_tokens_s)
 
     def _supervise(self) -> None:
         timeout = self.config.timeout_s

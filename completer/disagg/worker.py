@@ -28,6 +28,7 @@ from completer.disagg.messages import (PROTOCOL, Abort, Aborted, Done, Failed, G
                                        ModelShape, Welcome)
 from completer.disagg.transport import ChannelClosed, FrameChannel, KVPair
 from completer.engine.block_manager import BlockManager, OutOfBlocks
+from completer.engine.calibration import prefill_rate
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool, pool_blocks
 from completer.engine.sequence import CacheState
@@ -83,6 +84,8 @@ class PrefillWorker:
         self.by_id: dict[tuple[int, int], WorkerJob] = {}  # (link, job id) -> job
         self.cond = threading.Condition()
         self.queued_tokens = 0
+        self.tokens_s = 0.0
+        self.calibrated = threading.Event()
 
     # -- connections ----------------------------------------------------------
 
@@ -91,6 +94,7 @@ class PrefillWorker:
         listener = socket.create_server((host, port), reuse_port=False)
         bound = listener.getsockname()
         threading.Thread(target=self._compute_loop, name="prefill-compute", daemon=True).start()
+        self.calibrated.wait()
         ready(f"prefill worker listening on {bound[0]}:{bound[1]}")
         while True:
             conn, peer = listener.accept()
@@ -117,7 +121,7 @@ class PrefillWorker:
         else:
             problem = ""
         try:
-            channel.send(Welcome(problem))
+            channel.send(Welcome(problem, self.tokens_s))
             if problem:
                 log.warning("prefill worker: refused %s: %s", name, problem)
                 channel.close()
@@ -192,6 +196,9 @@ class PrefillWorker:
     def _compute_loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
+        with torch.inference_mode():  # on this thread: the one whose OpenMP team runs the jobs
+            self.tokens_s = prefill_rate(self.runner, self.blocks, min(self.chunk, 512)) or 0.0
+        self.calibrated.set()
         while True:
             with self.cond:
                 while not self.queue:

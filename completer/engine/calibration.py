@@ -1,6 +1,8 @@
 """Pass timings at start: a target pass of every verify width (and a drafter
 step) at a few batch sizes, so speculation decides from this machine's costs
-from the first request on; the policy keeps refining them as it runs."""
+from the first request on; the policy keeps refining them as it runs. And
+the prefill rate, which disaggregation's decision starts from (a worker
+measures its own)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,20 @@ def time_passes(runner: ModelRunner, blocks: BlockManager, batch: int, widths: l
     for state in states:
         blocks.release(state.table)
     return timed
+
+
+def prefill_rate(runner: ModelRunner, blocks: BlockManager, tokens: int, reps: int = 2) -> float | None:
+    """Prompt tokens per second of a one-sequence prefill pass of `tokens`
+    (the best of `reps`; the first pass also warms the kernels up)."""
+    if -(-tokens // blocks.block_size) > blocks.num_free:
+        return None
+    state = CacheState()
+    blocks.grow(state.table, tokens)
+    best = float("inf")
+    for _ in range(reps + 1):
+        state.computed = 0
+        started = time.perf_counter()
+        runner.execute([state], [[1] * tokens], last_only=True).argmax().item()
+        best = min(best, time.perf_counter() - started)
+    blocks.release(state.table)
+    return tokens / best

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from completer.engine.block_manager import BlockManager
-from completer.engine.calibration import time_passes
+from completer.engine.calibration import prefill_rate, time_passes
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.model_runner import ModelRunner
@@ -142,6 +142,17 @@ class EngineCore:
         finally:
             torch.set_num_threads(previous)
 
+    def calibrate_prefill(self) -> None:
+        """Disaggregation decides from this machine's prefill rate from the first request on."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.prefill_threads)
+        try:
+            rate = prefill_rate(self.target, self.kv.pools["target"], min(self.config.prefill_chunk, 512))
+        finally:
+            torch.set_num_threads(previous)
+        if rate is not None:
+            self.disagg.remote.local_tokens_s = rate
+
     # -- the iteration ------------------------------------------------------
 
     def step(self) -> list[Event]:
@@ -154,6 +165,8 @@ class EngineCore:
         plan = self.scheduler.schedule(time.perf_counter())
         for seq in plan.expired:
             self._finish(seq, "deadline")
+        if plan.expired:  # their answers go out now, not after this step's (maybe long) passes
+            return self.output.drain()
         if plan.prefill:
             torch.set_num_threads(self.prefill_threads)
             self._prefill(plan.prefill)

@@ -120,6 +120,8 @@ class Engine:
             try:
                 if core.spec.adaptive and core.speculator.proposers:
                     core.calibrate()
+                if core.disagg is not None:
+                    core.calibrate_prefill()
             except BaseException as e:  # reported by start(), in the caller's thread
                 failed.append(e)
                 return
