@@ -1,13 +1,16 @@
 """Conditional disaggregation: does moving the prefill of long uncached
 prompts to a separate worker process keep short keystroke completions fast?
 
-One run, two configurations one after the other on the same seeds and
+One run, the configurations one after the other on the same seeds and
 documents (a fresh `completer serve` each, caches cold):
 
 - off: `disagg.enabled=false`, one engine using every core, chunked prefill;
 - on:  `disagg.enabled=true`, one local prefill worker pinned to CPU 1, the
   decode engine pinned to CPU 0, `disagg.threshold_tokens` (1024; 512 with
-  `--quick`).
+  `--quick`);
+- off_one_core: off, pinned to CPU 0 as on's decode engine is: the decode
+  engine's compute held equal, so the difference to on is the long prefill
+  moved away (as on a machine where workers get cores of their own).
 
 Workload: `--editors` closed-loop editors type into their own warm documents
 (an untimed warm-up request caches each; then one `complete` per keystroke,
@@ -15,7 +18,7 @@ the next after the answer plus a 50-150 ms think time), while one more
 connection opens a new long document (~`--long-tokens` tokens, pip's sources
 concatenated under a unique first line, so nothing is cached; at most
 ~7.5k tokens, SmolLM2's window being 8192) every `--long-every` seconds (the
-next one waits for the last to finish). Both configurations get the same
+next one waits for the last to finish). Every configuration gets the same
 documents; each server starts cold.
 
 Reported per configuration: short requests' p50/p99 TTFT (client: frame sent
@@ -28,6 +31,7 @@ most 1.5x worse) and the count of short requests prefilled remotely (must be
 0); the `completer_prefill_decisions` lines of `/metrics`.
 
     python latency_bench/disagg_bench.py   # 4 editors, 60 s per configuration -> docs/results/disagg_bench.json
+    python latency_bench/disagg_bench.py --no-long   # the editors alone: each configuration's baseline
     python latency_bench/disagg_bench.py --quick --out /tmp/disagg_quick.json   # 2 editors, 20 s, ~3k-token opens
 
 The JSON holds every sample, the summaries, the machine (with nproc), the
@@ -70,9 +74,14 @@ console = Console(width=180)  # the table stays whole when piped to a file
 
 
 def configurations(threshold: int) -> dict[str, tuple[str, ...]]:
+    """off and on as the issue poses them; off_one_core holds the decode
+    engine's compute equal to on's (one core) and still prefills long
+    prompts itself: what moving the prefill away is worth by itself, as on a
+    machine where the decode engine keeps its cores and workers get others."""
     return {"off": (*COMMON, "disagg.enabled=false"),
             "on": (*COMMON, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
-                   "disagg.worker_cpus=[[1]]", f"disagg.threshold_tokens={threshold}")}
+                   "disagg.worker_cpus=[[1]]", f"disagg.threshold_tokens={threshold}"),
+            "off_one_core": (*COMMON, "disagg.enabled=false", "disagg.engine_cpus=[0]")}
 
 
 # -- documents --------------------------------------------------------------------
@@ -159,7 +168,7 @@ async def long_opener(server: ServerProcess, docs: list[str], started: asyncio.E
         await started.wait()
         for n, text in enumerate(docs):
             due = window["start"] + 1.0 + n * every
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            await asyncio.sleep(max(0.0, min(due, window["stop"]) - time.perf_counter()))
             if time.perf_counter() >= window["stop"]:
                 break
             rid = f"long{n}"
@@ -180,7 +189,8 @@ async def workload(server: ServerProcess, args, shorts, longs) -> dict:
         window["stop"] = window["start"] + args.duration
         started.set()
 
-    await asyncio.gather(start_clock(), long_opener(server, longs, started, window, args.long_every, out),
+    opener = [long_opener(server, longs, started, window, args.long_every, out)] if not args.no_long else []
+    await asyncio.gather(start_clock(), *opener,
                          *(short_editor(server, i, shorts[i], warm, window, args.deadline_ms, args.seed, out)
                            for i in range(args.editors)))
     out["measured_s"] = round(time.perf_counter() - window["start"], 1)
@@ -274,6 +284,10 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per configuration")
     p.add_argument("--long-every", type=float, default=8.0)
     p.add_argument("--long-tokens", type=int, default=7000)
+    p.add_argument("--configs", default="off,on,off_one_core",
+                   help="which to run, in order (off and on are needed for the ratios)")
+    p.add_argument("--no-long", action="store_true",
+                   help="no long opens: the short editors alone (each configuration's baseline)")
     p.add_argument("--threshold", type=int, default=1024, help="disagg.threshold_tokens of the 'on' run")
     p.add_argument("--deadline-ms", type=float, default=2000.0, help="of the short requests")
     p.add_argument("--model", default="default")
@@ -288,7 +302,7 @@ def main() -> int:
     shorts = short_documents(corpus, args.editors, args.seed)
     longs = long_documents(corpus, int(args.duration / args.long_every) + 2, args.long_tokens, tokenizer, args.seed)
     raw = {name: run_configuration(name, settings, args, shorts, longs)
-           for name, settings in configurations(args.threshold).items()}
+           for name, settings in configurations(args.threshold).items() if name in args.configs.split(",")}
     summary = {name: summarise(r) for name, r in raw.items()}
     off, on = summary["off"], summary["on"]
     ratios = {
@@ -299,6 +313,12 @@ def main() -> int:
         "long_p50_ttft_on_over_off": ratio(on["long"]["ttft_p50_ms"], off["long"]["ttft_p50_ms"]),
         "short_requests_prefilled_remotely_on": on["short"]["remote"],
     }
+    if (one := summary.get("off_one_core")) is not None:
+        ratios["short_p99_ttft_off_one_core_over_on"] = ratio(one["short"]["client_ttft_p99_ms"],
+                                                              on["short"]["client_ttft_p99_ms"])
+        ratios["short_p50_ttft_off_one_core_over_on"] = ratio(one["short"]["client_ttft_p50_ms"],
+                                                              on["short"]["client_ttft_p50_ms"])
+        ratios["long_p50_ttft_on_over_off_one_core"] = ratio(on["long"]["ttft_p50_ms"], one["long"]["ttft_p50_ms"])
     ratios["aims_met"] = {"short p99 TTFT off/on >= 2": (ratios["short_p99_ttft_off_over_on"] or 0) >= 2,
                           "long p50 TTFT on/off <= 1.5": (ratios["long_p50_ttft_on_over_off"] or 9) <= 1.5,
                           "no short request prefilled remotely": on["short"]["remote"] == 0}

@@ -313,7 +313,8 @@ def test_a_thousand_requests_with_a_third_cancelled_mid_transfer_leave_no_block_
                     break
                 await asyncio.sleep(0.05)
             return (terminal, outcomes, cancelled_mid_transfer, blocks_referenced(engine),
-                    dict(engine.core.disagg.held_by_jobs), remote.worker_blocks_held.get(worker.address), remote.workers_up)
+                    dict(engine.core.disagg.held_by_jobs), remote.worker_blocks_held.get(worker.address),
+                    remote.workers_up)
         finally:
             engine.stop()
 

@@ -195,16 +195,11 @@ class EngineCore:
         the target has its whole prompt."""
         last: dict[str, torch.Tensor] = {}
         for role in self.kv.roles:
-            chunks = [(seq, n) for seq, budget in plan
-                      if (n := min(budget, seq.prompt_len - seq.kv[role].computed)) > 0]
+            chunks = [(seq, n) for seq, budget in plan if role in seq.local_roles()  # (a worker may prefill one)
+                      and (n := min(budget, seq.prompt_len - seq.kv[role].computed)) > 0]
             groups = padded_groups(chunks) if self.config.batch_prefill else [[c] for c in chunks]
             for group in groups:
                 seqs = [seq for seq, _ in group]
-                if role == "target" and any(seq.remote_job is not None for seq in seqs):
-                    group = [(seq, n) for seq, n in group if seq.remote_job is None]  # a worker prefills those
-                    seqs = [seq for seq, _ in group]
-                    if not seqs:
-                        continue
                 rows = [seq.tokens[seq.kv[role].computed: seq.kv[role].computed + n] for seq, n in group]
                 started = time.perf_counter()
                 logits = self._run(role, seqs, rows, last_only=True)

@@ -64,8 +64,8 @@ class App:
         from completer.disagg.local_workers import LocalWorker
 
         d = self.config.disagg
-        self.local_workers = [LocalWorker(self.config, self.token, i, d.worker_cpus[i] if i < len(d.worker_cpus) else [])
-                              for i in range(d.workers)]
+        cpus = [d.worker_cpus[i] if i < len(d.worker_cpus) else [] for i in range(d.workers)]
+        self.local_workers = [LocalWorker(self.config, self.token, i, cpus[i]) for i in range(d.workers)]
         local = await asyncio.gather(*(asyncio.to_thread(w.start) for w in self.local_workers))
         return list(local) + list(d.remote_workers)
 
