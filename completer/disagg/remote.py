@@ -102,7 +102,7 @@ class WorkerLink:
             welcome = channel.recv()
             if not isinstance(welcome, Welcome) or welcome.error:
                 raise ConnectionRefusedError(getattr(welcome, "error", "") or f"unexpected {welcome!r}")
-            pair = KVPair(store, self.generation, KVPair.DECODE, local, r.config.timeout_s)
+            pair = KVPair(store, self.generation, KVPair.DECODE, local, r.config.timeout_s, r.device)
             if welcome.tokens_s > 0:
                 self.tokens_s = welcome.tokens_s
         except BaseException:
@@ -171,7 +171,7 @@ class WorkerLink:
                     if isinstance(msg, Done):
                         if msg.computed >= 64 and msg.compute_s > 0:
                             self.tokens_s += EWMA * (msg.computed / msg.compute_s - self.tokens_s)
-                        logits = torch.frombuffer(bytearray(msg.logits), dtype=torch.float32)
+                        logits = torch.frombuffer(bytearray(msg.logits), dtype=torch.float32).to(self.remote.device)
                         self.remote.closed(job, "done", logits=logits, computed=msg.computed)
                     elif isinstance(msg, Failed):
                         self.remote.closed(job, "lost", why=msg.message, mid_transfer=job.groups > 0)
@@ -186,7 +186,8 @@ class WorkerLink:
         """The announced K/V, then into the job's blocks if it is still open
         (an aborted job's arrive anyway, and are dropped)."""
         layers = msg.layer_hi - msg.layer_lo
-        buf = torch.empty((2, layers, msg.count, pool.k.shape[2], pool.k.shape[3]), dtype=pool.k.dtype)
+        buf = torch.empty((2, layers, msg.count, pool.k.shape[2], pool.k.shape[3]), dtype=pool.k.dtype,
+                          device=pool.device)
         started = time.perf_counter()
         pair.recv(buf, msg.tag, self.remote.config.timeout_s)
         seconds = time.perf_counter() - started
@@ -196,7 +197,7 @@ class WorkerLink:
                 return
             bs = pool.block_size
             positions = torch.arange(msg.start, msg.start + msg.count)
-            slots = job.table[positions // bs] * bs + positions % bs
+            slots = (job.table[positions // bs] * bs + positions % bs).to(pool.device)
             pool.k[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[0])
             pool.v[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[1])
             job.groups += 1
@@ -210,8 +211,11 @@ class RemotePrefill:
     and `poll`; link threads and the supervisor do the rest."""
 
     def __init__(self, addresses: list[str], shape: ModelShape, token: str, config: DisaggConfig,
-                 kv_bytes_per_token: int, resolvers: list[Callable[[], str] | None] | None = None):
+                 kv_bytes_per_token: int, resolvers: list[Callable[[], str] | None] | None = None,
+                 device: str = "cpu"):
+        """device: the target's (its K/V pool's): gloo between CPU pools, NCCL between GPU ones."""
         self.shape, self.token, self.config = shape, token, config
+        self.device = torch.device(device)
         self.kv_bytes_per_token = kv_bytes_per_token
         resolvers = resolvers or [None] * len(addresses)
         self.links = [WorkerLink(a, self, r) for a, r in zip(addresses, resolvers)]

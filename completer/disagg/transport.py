@@ -1,7 +1,9 @@
 """Two channels per decode-engine/worker link: `FrameChannel`, length-prefixed
 msgpack frames over a TCP socket (job metadata, aborts, heartbeats), and
-`KVPair`, a torch.distributed process group of two (gloo on CPU; the same
-point-to-point calls run over NCCL on GPUs) that carries the K/V tensors.
+`KVPair`, a torch.distributed process group of two that carries the K/V
+tensors: gloo between CPU pools, NCCL between GPU pools (NCCL matches sends
+to receives in call order, which the announced groups keep; the NCCL path
+has not yet run on a GPU here: no session had one).
 
 A pair is built per connection under a fresh store prefix: after a peer dies
 mid-transfer a gloo group is unusable, and the next connection must not meet
@@ -93,21 +95,31 @@ class KVPair:
 
     DECODE, WORKER = 0, 1
 
-    def __init__(self, store: TCPStore, generation: int, rank: int, local_host: str, timeout_s: float):
+    def __init__(self, store: TCPStore, generation: int, rank: int, local_host: str, timeout_s: float,
+                 device: torch.device = torch.device("cpu")):
+        self.rank = rank
+        self.peer = 1 - rank
+        store = PrefixStore(f"kv-pair-{generation}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            from torch.distributed import ProcessGroupNCCL
+
+            nccl = ProcessGroupNCCL.Options()
+            nccl._timeout = timeout
+            self.group = ProcessGroupNCCL(store, rank, 2, nccl)
+            return
         opts = ProcessGroupGloo._Options()
         # Bound to the address the control connection uses, which the peer reaches.
         opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
-        opts._timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank = rank
-        self.peer = 1 - rank
-        self.group = ProcessGroupGloo(PrefixStore(f"kv-pair-{generation}", store), rank, 2, opts)
+        opts._timeout = timeout
+        self.group = ProcessGroupGloo(store, rank, 2, opts)
 
     @classmethod
-    def join(cls, store_host: str, store_port: int, generation: int, local_host: str,
-             timeout_s: float) -> "KVPair":
+    def join(cls, store_host: str, store_port: int, generation: int, local_host: str, timeout_s: float,
+             device: torch.device) -> "KVPair":
         """The worker's end: meets the decode side in its store."""
         store = TCPStore(store_host, store_port, is_master=False, timeout=datetime.timedelta(seconds=10))
-        return cls(store, generation, cls.WORKER, local_host, timeout_s)
+        return cls(store, generation, cls.WORKER, local_host, timeout_s, device)
 
     def send(self, tensor: torch.Tensor, tag: int):
         """Starts the send; returns its work (wait() on it before reusing `tensor`)."""

@@ -70,7 +70,7 @@ class PrefillWorker:
                  layer_group: int, token: str, timeout_s: float, prefix_cache: bool = True, threads: int = 0):
         cfg = model.config
         blocks = pool_blocks(cfg, kv_mb, block_size)
-        self.pool = KVPool(cfg, blocks, block_size)
+        self.pool = KVPool(cfg, blocks, block_size, device=next(model.parameters()).device)
         self.blocks = BlockManager(blocks, block_size, prefix_cache)
         self.runner = ModelRunner(model, self.pool, "torch")
         self.vocab = cfg.vocab_size
@@ -127,7 +127,7 @@ class PrefillWorker:
                 channel.close()
                 return
             pair = KVPair.join(hello.store_host, hello.store_port, hello.generation, conn.getsockname()[0],
-                               self.timeout_s)
+                               self.timeout_s, self.pool.device)
         except Exception as e:
             log.warning("prefill worker: %s: cannot set up the K/V pair: %s", name, e)
             channel.close()
@@ -215,7 +215,7 @@ class PrefillWorker:
                 logits, computed = self._prefill(job, state, sends)
                 while sends:
                     sends.popleft().wait()
-                end = Done(msg.id, logits.float().contiguous().numpy().tobytes(), computed,
+                end = Done(msg.id, logits.float().cpu().numpy().tobytes(), computed,
                            time.perf_counter() - started)
             except JobAborted:
                 end = Aborted(msg.id)
@@ -270,7 +270,7 @@ class PrefillWorker:
         bs = self.pool.block_size
         positions = torch.arange(start, end)
         table = torch.tensor(state.table, dtype=torch.long)
-        slots = table[positions // bs] * bs + positions % bs
+        slots = (table[positions // bs] * bs + positions % bs).to(self.pool.device)
         kv = torch.stack((self.pool.k[layer_lo:layer_hi].index_select(1, slots),
                           self.pool.v[layer_lo:layer_hi].index_select(1, slots)))
         while len(sends) >= MAX_SENDS_IN_FLIGHT:

@@ -78,7 +78,8 @@ class App:
         shape = model_shape(self.target.name, cfg, self.target.precision, e.block_size, e.prefill_chunk)
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
         resolvers = [w.resolve for w in self.local_workers] + [None] * len(self.config.disagg.remote_workers)
-        remote = RemotePrefill(addresses, shape, self.token, self.config.disagg, kv_bytes, resolvers)
+        remote = RemotePrefill(addresses, shape, self.token, self.config.disagg, kv_bytes, resolvers,
+                               self.target.device)
         remote.start(wait_s=self.config.disagg.timeout_s)
         return remote
 
