@@ -93,11 +93,11 @@ class WorkerLink:
             self.address = self.resolve()
         host, _, port = self.address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=r.config.timeout_s)
-        local = sock.getsockname()[0]
-        store = open_store(local)
         channel = FrameChannel.to_worker(sock)
         self.generation += 1
         try:
+            local = sock.getsockname()[0]
+            store = open_store(local)
             channel.send(Hello(r.token, PROTOCOL, r.shape, local, store.port, self.generation))
             welcome = channel.recv()
             if not isinstance(welcome, Welcome) or welcome.error:
@@ -114,13 +114,16 @@ class WorkerLink:
             self.up = True
             self.last_heard = time.monotonic()
             self.backoff = 0.25
-        threading.Thread(target=self._read_loop, args=(channel, pair), name="prefill-link", daemon=True).start()
+        threading.Thread(target=self._read_loop, args=(channel, pair, self.generation), name="prefill-link",
+                         daemon=True).start()
         log.info("prefill worker %s is up", self.address)
 
-    def fail(self, why: str, level: int = logging.WARNING) -> None:
-        """Down: every open job closes as lost; reconnects with backoff."""
+    def fail(self, why: str, level: int = logging.WARNING, generation: int | None = None) -> None:
+        """Down: every open job closes as lost; reconnects with backoff.
+        generation: the connection that failed (a reader of an earlier one,
+        waking late, must not take down the next)."""
         with self.lock:
-            if not self.up:
+            if not self.up or generation not in (None, self.generation):
                 return
             self.up = False
             jobs, self.jobs = list(self.jobs.values()), {}
@@ -155,7 +158,7 @@ class WorkerLink:
         except ConnectionError as e:
             self.fail(f"cannot send an abort: {e}")
 
-    def _read_loop(self, channel: FrameChannel, pair: KVPair) -> None:
+    def _read_loop(self, channel: FrameChannel, pair: KVPair, generation: int) -> None:
         torch.set_num_threads(1)  # copies only: no OpenMP team beside the engine's
         try:
             while True:
@@ -180,7 +183,7 @@ class WorkerLink:
                 elif isinstance(msg, Heartbeat):
                     self.remote.worker_blocks_held[self.address] = msg.blocks_held
         except Exception as e:  # a closed socket, a broken pair: the link is down
-            self.fail(str(e) or type(e).__name__)
+            self.fail(str(e) or type(e).__name__, generation=generation)
 
     def _receive(self, msg: Group, pair: KVPair, pool: KVPool) -> None:
         """The announced K/V, then into the job's blocks if it is still open
