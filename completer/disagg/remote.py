@@ -80,7 +80,6 @@ class WorkerLink:
         self.retry_at = 0.0
         self.backoff = 0.25
         self.generation = 0
-        self.failures = 0
         self.tokens_s = PRIOR_TOKENS_S  # its prefill rate: from its welcome, then from its jobs
 
     @property
@@ -128,7 +127,6 @@ class WorkerLink:
             self.up = False
             jobs, self.jobs = list(self.jobs.values()), {}
             channel, pair = self.channel, self.pair
-            self.failures += 1
             self.retry_at = time.monotonic() + self.backoff
             self.backoff = min(self.backoff * 2, self.remote.config.retry_max_s)
         log.log(level, "prefill worker %s is down (%s); %d job(s) lost, retrying in %.1f s",

@@ -98,6 +98,7 @@ class RemotePrefillSteps:
             self.output.fail(seq, "internal", f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
                                               f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
             return False
-        log.warning("request %s: %s; prefilling it here instead", seq.id, closed.why)
+        log.warning("request %s: %s (%s); prefilling it here instead", seq.id, closed.why,
+                    "mid-transfer" if closed.mid_transfer else "before any K/V arrived")
         seq.status = Status.PREFILL
         return True
