@@ -171,6 +171,32 @@ def test_cancel_frees_blocks(models, tokenizer):
     assert all(c == 0 for c in core.kv.pools["target"].ref_count)
 
 
+@pytest.mark.parametrize("between_passes", [True, False])
+def test_first_tokens_leave_before_the_decode_pass_and_a_cancel_meanwhile_skips_it(models, tokenizer,
+                                                                                   between_passes):
+    core = make_core(models, tokenizer, draft=None, config=EngineConfig(block_size=4, prefill_chunk=256,
+                                                                        between_passes=between_passes))
+    seen: list = []
+
+    def hook(events):  # the engine loop's part: send these, apply the cancels that came meanwhile
+        seen.extend(events)
+        return ["b"]
+
+    core.between_passes = hook
+    ps = prompts(2, seed=3)
+    core.add(Request("a", ps[0], free_mode(8)))
+    core.add(Request("b", ps[1], free_mode(8)))
+    after = core.step()
+    if not between_passes:
+        assert seen == [] and not any(isinstance(e, Finished) for e in after)
+        return
+    assert {e.id for e in seen} == {"a", "b"}  # each one's first token, before the decode pass
+    assert not any(isinstance(e, Finished) for e in seen)
+    finished = {e.id: e for e in after if isinstance(e, Finished)}
+    assert finished["b"].reason == "cancelled" and finished["b"].timings.generated_tokens == 1
+    assert "a" not in finished and core.by_id["a"].kv["target"].computed > len(ps[0])  # "a" decoded on
+
+
 def test_deadline_and_length(models, tokenizer):
     core = make_core(models, tokenizer)
     p = prompts(1)[0]

@@ -23,6 +23,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = True  # replay plain decode steps as CUDA graphs (with the triton kernel, on CUDA)
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
     decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
+    # First tokens go out as soon as the prefill pass made them, and cancels that came
+    # meanwhile apply before the decode pass (else both wait for the step's end).
+    between_passes: bool = True
 
 
 class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

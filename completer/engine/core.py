@@ -12,6 +12,7 @@ speculate), `sampler` and `rejection_sampler` (choosing tokens),
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +64,8 @@ class EngineCore:
             proposers.append(DraftModelProposer(self.draft, kv, self.sampler, self.policy.costs))
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
         self.by_id: dict[str, Sequence] = {}
+        # Set by the engine loop: takes the events so far, returns the ids cancelled meanwhile.
+        self.between_passes: Callable[[list[Event]], list[str]] | None = None
         self.disagg: RemotePrefillSteps | None = None
         if remote is not None:
             remote.register(self.target.pool)
@@ -171,6 +174,11 @@ class EngineCore:
             torch.set_num_threads(self.prefill_threads)
             self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
+            if self.between_passes is not None and self.config.between_passes:
+                # A keystroke's first token is out a decode pass sooner; one superseded meanwhile
+                # does not take a place in that pass.
+                for request_id in self.between_passes(self.output.drain()):
+                    self.abort(request_id)
         decoding = self.scheduler.decoding()
         if decoding:
             torch.set_num_threads(self.decode_threads)

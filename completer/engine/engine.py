@@ -50,6 +50,11 @@ def run_in_passing_thread(fn: Callable[..., T], *args) -> T:
     return value
 
 
+def as_delivered(events: list) -> list:
+    """(request id, event) as streams take them; a request's `Failed` is its error."""
+    return [(e.id, EngineError(e.code, e.message) if isinstance(e, Failed) else e) for e in events]
+
+
 class RequestStream:
     """Deltas of one request as they are accepted, then its `Finished`."""
 
@@ -82,6 +87,7 @@ class RequestStream:
 class Engine:
     def __init__(self, core: EngineCore):
         self.core = core
+        core.between_passes = self._between_passes
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
@@ -202,8 +208,7 @@ class Engine:
                     events.append((arg.id, EngineError("internal", f"{type(e).__name__}: {e}")))
             if core.has_work:
                 try:
-                    events += [(e.id, EngineError(e.code, e.message) if isinstance(e, Failed) else e)
-                               for e in core.step()]
+                    events += as_delivered(core.step())
                 except Exception as e:  # fail this step's requests, not the server
                     log.exception("engine step failed; its %d running requests end with an internal error",
                                   len(core.scheduler.running))
@@ -212,6 +217,18 @@ class Engine:
                 events += [(e.id, e) for e in core.output.drain()]
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _between_passes(self, events: list) -> list[str]:
+        """Mid-step: send what the prefill pass produced; take the cancels of
+        requests in flight that arrived meanwhile (a cancel of one still in
+        the inbox keeps its place behind that request's `add`)."""
+        if events:
+            self._loop.call_soon_threadsafe(self._dispatch, as_delivered(events))
+        with self._cond:
+            ops = self._inbox
+            now = [arg for op, arg in ops if op == "cancel" and arg in self.core.by_id]
+            self._inbox = [(op, arg) for op, arg in ops if not (op == "cancel" and arg in now)]
+        return now
 
     def _dispatch(self, events: list) -> None:
         for request_id, event in events:

@@ -1,0 +1,195 @@
+"""The keystroke replay matrix: every speed feature off and on, at 1, 8 and 32
+editors, and llama.cpp's server on the same weights, in one run.
+
+    python latency_bench/llama_peer.py build    # once: llama-server from source (minutes; cached)
+    python latency_bench/keystroke_bench.py     # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
+                                                #   plots, the dashboard's screenshot, BENCHMARKS.md, README
+    python latency_bench/keystroke_bench.py --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
+
+Every row replays the same traces (`keystrokes.py`: pip's sources typed key
+by key; `replay.py`). Each completer row is a fresh `completer serve` on the
+default model with one setting changed from the default (`all_on`: prefix
+cache, the drafter and n-gram proposals on, as shipped); the editor counts run
+one after the other against it, on documents of their own (so no run starts
+warm from the one before). Each llama.cpp row is a fresh `llama-server` per
+editor count, with a slot per editor (`-np`, each slot as long as completer's
+window), prompt caching, and the same token ids completer's pipeline builds:
+`llama_matched` on a GGUF of the weights at the precision completer runs here
+(F32 where `auto` is fp32, BF16 where it is bf16), `llama_q4_1` on the file as
+shipped (what its users run). Both get every core.
+
+Ratios are against `all_on` at the same editor count. Run it alone: a second
+process on a 2-core machine moves every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+from rich.progress import Progress
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))
+import llama_peer  # noqa: E402
+from editors import keep_reading_log  # noqa: E402
+from keystrokes import corpus_files  # noqa: E402
+from reliability import machine, now  # noqa: E402
+from replay import ReplayOptions, prompt_states, replay, summarize, traces  # noqa: E402
+from server_harness import TOKEN, running_server  # noqa: E402
+
+from completer.model_store import pull  # noqa: E402
+
+RESULTS = ROOT / "docs" / "results"
+CONTEXT_TOKENS = 1024  # completer's default model.context_tokens: llama.cpp's slots get the same
+
+COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
+    "all_on": (),
+    "no_prefix_cache": ("engine.prefix_cache=false",),
+    "no_drafter": ("model.draft=",),
+    "no_ngram": ("spec.ngram=false",),
+    "no_speculation": ("model.draft=", "spec.ngram=false"),
+    "fp8": ("model.precision=fp8",),  # on a CPU, an emulation (quality, not speed)
+    # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
+    # other core; the engine keeps one. The threshold is below the window so it can.
+    "disagg": ("disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
+               "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
+}
+LLAMA_ROWS = ("llama_matched", "llama_q4_1")
+KEYS = ("completer_spec_decode_num_draft_tokens", "completer_spec_decode_num_accepted_tokens")
+
+
+def scrape(http: str) -> dict[str, float]:
+    req = urllib.request.Request(f"{http}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in KEYS:
+            out[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
+
+
+def screenshot(url: str, out: Path) -> bool:
+    """The page as headless Chromium draws it (the dashboard reads its series from the server)."""
+    import shutil
+    import tempfile
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return False
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                        "--disable-sync", f"--user-data-dir={profile}", "--window-size=1280,1100",
+                        "--virtual-time-budget=4000", "--hide-scrollbars", f"--screenshot={out}", url],
+                       capture_output=True, timeout=60)
+    return out.is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(opts: ReplayOptions, files, progress, **where) -> dict:
+    task = progress.add_task(f"{opts.run}", total=None)
+    samples = asyncio.run(replay(traces(files, opts), opts, progress=lambda: progress.advance(task), **where))
+    progress.remove_task(task)
+    summary = summarize(samples)
+    summary["ttft_ms"] = sorted(round(s.ttft_s * 1000, 1) for s in samples if s.ttft_s is not None)
+    summary["e2e_ms"] = sorted(round(s.answer_s * 1000, 1) for s in samples
+                               if s.answer_s is not None and s.outcome.startswith("done:")
+                               and s.outcome != "done:cancelled")
+    return summary
+
+
+def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args, files, progress,
+                  shot: Path | None) -> dict:
+    runs = {}
+    with running_server(*settings, model=args.model, timeout=300) as server:
+        tail = keep_reading_log(server)
+        for n in editors:
+            before = scrape(server.http)
+            opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
+            runs[str(n)] = run_one(opts, files, progress, url=server.ws_url, token=TOKEN)
+            after = scrape(server.http)
+            proposed = after.get(KEYS[0], 0) - before.get(KEYS[0], 0)
+            runs[str(n)]["draft_acceptance"] = (
+                round((after.get(KEYS[1], 0) - before.get(KEYS[1], 0)) / proposed, 4) if proposed else None)
+            runs[str(n)]["load_average"] = machine().load_average
+            if shot is not None and n == max(editors):
+                runs[str(n)]["dashboard"] = screenshot(f"{server.http}/dashboard?token={TOKEN}", shot)
+        log = [line.rstrip() for line in tail if "Traceback" in line or "ERROR" in line]
+    return {"kind": "completer", "settings": list(settings), "runs": runs, "server_trouble": log[-10:]}
+
+
+def llama_row(name: str, editors: list[int], args, files, progress, precision: str) -> dict:
+    gguf = llama_peer.matched_gguf(precision) if name == "llama_matched" else pull()
+    builder_for = prompt_states(args.model, CONTEXT_TOKENS, ReplayOptions().max_tokens)
+    runs = {}
+    for n in editors:
+        port = free_port()
+        with llama_peer.llama_server(gguf, port=port, threads=args.threads, parallel=n,
+                                     ctx_per_slot=CONTEXT_TOKENS, extra=llama_peer.SPECULATIVE_FLAGS) as url:
+            opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
+            runs[str(n)] = run_one(opts, files, progress, llama=url, builder_for=builder_for)
+            runs[str(n)]["load_average"] = machine().load_average
+    return {"kind": "llama.cpp", "gguf": gguf.name, "version": llama_peer.DEFAULT_VERSION,
+            "flags": list(llama_peer.SPECULATIVE_FLAGS), "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", default=[*COMPLETER_ROWS, *LLAMA_ROWS],
+                    choices=[*COMPLETER_ROWS, *LLAMA_ROWS])
+    ap.add_argument("--editors", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--seconds", type=float, default=40.0, help="replay per editor count")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (completer: torch's default)")
+    ap.add_argument("--corpus", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS / "keystroke_bench.json")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite BENCHMARKS.md and README's Speed")
+    args = ap.parse_args()
+
+    from completer.checkpoint import resolve_precision
+    precision = resolve_precision("auto")
+    if any(r in LLAMA_ROWS for r in args.rows):
+        llama_peer.server_binary()  # fail now, not after the completer rows
+    corpus, files = corpus_files(args.corpus)
+    assets = args.out.with_suffix("")  # plots and screenshot beside the JSON
+    assets.mkdir(parents=True, exist_ok=True)
+    result = {"date": now(), "machine": msgspec.to_builtins(machine()), "command": sys.argv,
+              "corpus": corpus, "seconds": args.seconds, "editors": args.editors, "precision": precision,
+              "context_tokens": CONTEXT_TOKENS, "rows": {}}
+    started = time.perf_counter()
+    with Progress(transient=True) as progress:
+        for name in args.rows:
+            progress.console.print(f"{name} ...")
+            if name in COMPLETER_ROWS:
+                shot = assets / "dashboard.png" if name == "all_on" else None
+                result["rows"][name] = completer_row(name, COMPLETER_ROWS[name], args.editors, args, files,
+                                                     progress, shot)
+            else:
+                result["rows"][name] = llama_row(name, args.editors, args, files, progress, precision)
+            args.out.write_text(json.dumps(result))  # what is done survives a later failure
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    args.out.write_text(json.dumps(result))
+
+    import keystroke_report
+    keystroke_report.render(args.out, write_docs=not args.no_docs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The keystroke replay's results as tables, plots and pages.
+
+    python latency_bench/keystroke_report.py [docs/results/keystroke_bench.json] [--no-docs]
+
+From `keystroke_bench.py`'s JSON: one table (every row at every editor count,
+ratios against `all_on`), the aims checked, two PNG plots beside the JSON
+(TTFT CDFs per row at each editor count; p99 TTFT against editors), and, unless
+`--no-docs`, the newest section of BENCHMARKS.md (the one it wrote before is
+kept below it, marked superseded) and the headline of README's Speed section,
+both between marker comments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- keystroke-bench:start -->", "<!-- keystroke-bench:end -->"
+HEAD_START, HEAD_END = "<!-- speed-headline:start -->", "<!-- speed-headline:end -->"
+
+
+def fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and unit == "%":
+        return f"{100 * v:.1f}%"
+    return f"{v:,.0f}{unit}" if isinstance(v, (int, float)) else str(v)
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def table(result: dict) -> list[str]:
+    rows = result["rows"]
+    base = rows.get("all_on", {}).get("runs", {})
+    out = ["| row | editors | keys | served before next key | TTFT p50 / p90 / p99 | line end-to-end p50 / p99 "
+           "| ITL p50 | exact match | cached share | accepted | draft acceptance | errors "
+           "| p99 TTFT vs all_on | p50 line vs all_on |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        for n, r in row["runs"].items():
+            b = base.get(n, {})
+            out.append(
+                f"| {name} | {n} | {r['keystrokes']:,} | {fmt(r['served_before_next_key'], '%')} "
+                f"| {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p90_ms'])} / {fmt(r['ttft_p99_ms'])} ms "
+                f"| {fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms | {fmt(r['itl_p50_ms'])} ms "
+                f"| {fmt(r['exact_match'], '%')} | {fmt(r['cached_share'], '%')} | {fmt(r['accepted_share'], '%')} "
+                f"| {fmt(r.get('draft_acceptance'), '%')} | {r['errors']} "
+                f"| {ratio(r['ttft_p99_ms'], b.get('ttft_p99_ms'))} | {ratio(r['e2e_p50_ms'], b.get('e2e_p50_ms'))} |")
+    return out
+
+
+def aims(result: dict) -> list[str]:
+    """The issue's aims, each with the figures it was judged on."""
+    rows = result["rows"]
+    out = []
+    on = rows.get("all_on", {}).get("runs", {})
+    if "1" in on:
+        s = on["1"]["served_before_next_key"]
+        out.append(f"- keystrokes answered (first token) before the next key at 1 editor: {100 * s:.1f}% "
+                   f"(aim >= 80%: {'met' if s >= 0.8 else 'missed'}; whole line: "
+                   f"{100 * on['1']['whole_before_next_key']:.1f}%)")
+    if "1" in on and "32" in on and on["1"]["ttft_p99_ms"] and on["32"]["ttft_p99_ms"]:
+        r = on["32"]["ttft_p99_ms"] / on["1"]["ttft_p99_ms"]
+        out.append(f"- p99 TTFT at 32 editors vs 1: {on['32']['ttft_p99_ms']:,.0f} vs {on['1']['ttft_p99_ms']:,.0f} ms, "
+                   f"{r:.2f}x (aim <= 3x: {'met' if r <= 3 else 'missed'})")
+    peer = rows.get("llama_matched", {}).get("runs", {})
+    q4 = rows.get("llama_q4_1", {}).get("runs", {})
+    for n, mine in on.items():
+        if n not in peer:
+            continue
+        theirs = peer[n]
+        parts, ahead = [], True
+        for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                           ("e2e_p50_ms", "line p50"), ("e2e_p99_ms", "line p99")):
+            a, b = mine.get(key), theirs.get(key)
+            ahead &= bool(a and b and a < b)
+            q = q4.get(n, {}).get(key)
+            parts.append(f"{label} {fmt(a)} vs {fmt(b)} ms (Q4_1: {fmt(q)})")
+        out.append(f"- {n} editor{'s' if n != '1' else ''}, completer vs llama.cpp on the same weights "
+                   f"({result['precision']}): " + "; ".join(parts) + f": {'ahead' if ahead else 'not ahead'}")
+    return out
+
+
+def plots(result: dict, assets: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, editors = result["rows"], [str(n) for n in result["editors"]]
+    fig, axes = plt.subplots(1, len(editors), figsize=(5 * len(editors), 4), squeeze=False)
+    for ax, n in zip(axes[0], editors):
+        for name, row in rows.items():
+            ttft = row["runs"].get(n, {}).get("ttft_ms") or []
+            if ttft:
+                ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name,
+                        linestyle="--" if row["kind"] != "completer" else "-")
+        ax.set_xscale("log")
+        ax.set_title(f"{n} editor{'s' if n != '1' else ''}")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("share of keystrokes answered within")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    cdf = assets / "ttft_cdf.png"
+    fig.savefig(cdf, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, row in rows.items():
+        xs = [int(n) for n in editors if row["runs"].get(n, {}).get("ttft_p99_ms")]
+        ax.plot(xs, [row["runs"][str(x)]["ttft_p99_ms"] for x in xs], marker="o", label=name,
+                linestyle="--" if row["kind"] != "completer" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("editors typing at once")
+    ax.set_ylabel("p99 TTFT (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p99 = assets / "p99_vs_editors.png"
+    fig.savefig(p99, dpi=100)
+    plt.close(fig)
+    return [cdf, p99]
+
+
+def section(result: dict, json_path: Path, images: list[Path]) -> str:
+    m = result["machine"]
+    def rel(p: Path) -> str:  # as the pages link it (a run written elsewhere keeps its full path)
+        p = p.resolve()
+        return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(p)
+
+    peers = {r.get("gguf") for r in result["rows"].values() if r["kind"] != "completer"}
+    lines = [
+        f"## {result['date'][:10]}: keystroke replay, every speed feature, llama.cpp on the same weights",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} CPUs, {m['memory_gb']} GB, load average {m['load_average']} at the "
+        f"start; commit {m['commit']}{' (with changes)' if m['uncommitted_changes'] else ''}. Default model, precision "
+        f"{result['precision']} (what `auto` picks here), window {result['context_tokens']} tokens. "
+        f"Corpus: {result['corpus']}. {result['seconds']:.0f} s of typing per editor count, "
+        f"{result.get('wall_s', 0) / 60:.1f} min in all.",
+        "",
+        "Command: `" + " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]]) + "`; "
+        f"JSON: `{rel(json_path)}`" + (f"; llama.cpp {next((r['version'] for r in result['rows'].values() if r['kind'] != 'completer'), '')} "
+                                        f"on {', '.join(sorted(p for p in peers if p))}" if peers else "") + ".",
+        "",
+        "Latencies are the editors' own (frame sent to first text, to the end of the line); 'served before next "
+        "key' counts a keystroke whose first text (or empty answer) came before the editor's next key; exact "
+        "match compares each finished suggestion with the rest of the real line; 'accepted' is the share of "
+        "suggestions shown in time that the next keys typed.",
+        "",
+        *table(result),
+        "",
+        "Aims:",
+        "",
+        *aims(result),
+        "",
+        *[f"![{p.stem}]({rel(p)})" for p in images],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def replace_between(text: str, start: str, end: str, new: str) -> tuple[str, str | None]:
+    """`text` with what is between the markers replaced (added after the title if absent); the old part."""
+    m = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end) + r"\n?", text, flags=re.S)
+    block = f"{start}\n{new}{end}\n"
+    if m:
+        return text[: m.start()] + block + text[m.end():], m.group(1)
+    first = text.find("\n## ")
+    return (text[: first + 1] + block + "\n" + text[first + 1:] if first >= 0 else text + "\n" + block), None
+
+
+def render(json_path: Path, write_docs: bool = True) -> str:
+    result = json.loads(json_path.read_text())
+    assets = json_path.with_suffix("")
+    assets.mkdir(parents=True, exist_ok=True)
+    images = plots(result, assets)
+    shot = assets / "dashboard.png"
+    if shot.is_file():
+        images.append(shot)
+    text = section(result, json_path, images)
+    print(text)
+    if write_docs:
+        bench = ROOT / "BENCHMARKS.md"
+        page, old = replace_between(bench.read_text(), START, END, text)
+        if old and old.strip() != text.strip():
+            date = result["date"][:10]
+            old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date} above)", old, count=1, flags=re.M)
+            page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
+        bench.write_text(page)
+        readme = ROOT / "README.md"
+        headline = "\n".join(aims(result)) + "\n\nThe whole table, the plots and the dashboard under load: " \
+            "[BENCHMARKS.md](BENCHMARKS.md).\n"
+        page, _ = replace_between(readme.read_text(), HEAD_START, HEAD_END, headline)
+        readme.write_text(page)
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="?", type=Path, default=ROOT / "docs/results/keystroke_bench.json")
+    ap.add_argument("--no-docs", action="store_true")
+    a = ap.parse_args()
+    render(a.json, write_docs=not a.no_docs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
