@@ -3,7 +3,9 @@ plain decode step of the target and of the drafter (batch 1, a 1,000-token
 context, through the engine's paged cache), then the pass costs the engine
 calibrates at start, which decide how far it speculates.
 
-    python latency_bench/decode_profile.py --out docs/results/decode_profile.txt
+    python latency_bench/decode_profile.py --out docs/results/decode_profile.txt   # the embedded models
+    python latency_bench/decode_profile.py --model default --width 6   # SmolLM2 and its drafter; a
+                                                                       # keystroke's pass of 6 new tokens
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
-from completer.loading import LoadedModel, load
-from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from completer.loading import LoadedModel, load_models
 
 
-def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int) -> str:
+def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int,
+                   width: int = 1) -> str:
     torch.set_num_threads(threads)
     blocks = -(-context // 16) + 8
     runner = ModelRunner(loaded.model, KVPool(loaded.model.config, blocks, 16))
     state = CacheState()
-    BlockManager(blocks, 16).grow(state.table, context + 1)
+    BlockManager(blocks, 16).grow(state.table, context + width)
     runner.execute([state], [[1] * context], last_only=True)
 
     def step() -> None:
-        runner.execute([state], [[7]], last_only=True)
+        runner.execute([state], [[7] * width], last_only=width == 1)
         state.computed = context
 
     for _ in range(5):
@@ -46,7 +48,7 @@ def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, thr
             step()
     per_step_ms = prof.key_averages().self_cpu_time_total / steps / 1000
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return f"{loaded.name}: {per_step_ms:.2f} ms of CPU per step ({steps} steps)\n{table}\n"
+    return f"{loaded.name}: {per_step_ms:.2f} ms of CPU per {width}-token pass ({steps} passes)\n{table}\n"
 
 
 async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int) -> str:
@@ -67,20 +69,21 @@ async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int) -> s
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded", help="the target setting: embedded, default, a path")
     p.add_argument("--precision", default="auto")
+    p.add_argument("--width", type=int, default=1, help="new tokens per profiled pass")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rows", type=int, default=12, help="operators listed per model")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    target = run_in_passing_thread(load, EMBEDDED_TARGET, args.precision)
-    draft = run_in_passing_thread(load, EMBEDDED_DRAFT, args.precision)
+    target, draft = run_in_passing_thread(load_models, args.model, "default", args.precision)
     out = io.StringIO()
     out.write(f"precision {target.precision}, {args.threads} threads\n\n")
     for loaded in (target, draft):  # on a thread that ends, as the engine's torch work wants
         out.write(run_in_passing_thread(operator_table, loaded, args.context, args.steps, args.rows,
-                                        args.threads))
+                                        args.threads, args.width))
     out.write(asyncio.run(pass_costs(target, draft, args.threads)))
     print(out.getvalue())
     if args.out:

@@ -16,7 +16,10 @@ editor count, with a slot per editor (`-np`, each slot as long as completer's
 window), prompt caching, and the same token ids completer's pipeline builds:
 `llama_matched` on a GGUF of the weights at the precision completer runs here
 (F32 where `auto` is fp32, BF16 where it is bf16), `llama_q4_1` on the file as
-shipped (what its users run). Both get every core.
+shipped (what its users run); `llama_q4_1_ngram` (not in the default run) adds
+its n-gram speculation (`llama_peer.SPECULATIVE_FLAGS`), which did not help it
+here: at 1 editor for 20 s, TTFT p50 34 vs 20 ms and line p50 90 vs 66 ms
+without. Both servers get every core.
 
 Ratios are against `all_on` at the same editor count. Run it alone: a second
 process on a 2-core machine moves every figure.
@@ -66,7 +69,7 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "disagg": ("disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
                "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
 }
-LLAMA_ROWS = ("llama_matched", "llama_q4_1")
+LLAMA_ROWS = ("llama_matched", "llama_q4_1", "llama_q4_1_ngram")
 KEYS = ("completer_spec_decode_num_draft_tokens", "completer_spec_decode_num_accepted_tokens")
 
 
@@ -136,22 +139,23 @@ def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args
 
 def llama_row(name: str, editors: list[int], args, files, progress, precision: str) -> dict:
     gguf = llama_peer.matched_gguf(precision) if name == "llama_matched" else pull()
+    flags = llama_peer.SPECULATIVE_FLAGS if name.endswith("_ngram") else ()
     builder_for = prompt_states(args.model, CONTEXT_TOKENS, ReplayOptions().max_tokens)
     runs = {}
     for n in editors:
         port = free_port()
         with llama_peer.llama_server(gguf, port=port, threads=args.threads, parallel=n,
-                                     ctx_per_slot=CONTEXT_TOKENS, extra=llama_peer.SPECULATIVE_FLAGS) as url:
+                                     ctx_per_slot=CONTEXT_TOKENS, extra=flags) as url:
             opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
             runs[str(n)] = run_one(opts, files, progress, llama=url, builder_for=builder_for)
             runs[str(n)]["load_average"] = machine().load_average
     return {"kind": "llama.cpp", "gguf": gguf.name, "version": llama_peer.DEFAULT_VERSION,
-            "flags": list(llama_peer.SPECULATIVE_FLAGS), "runs": runs}
+            "flags": list(flags), "runs": runs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="+", default=[*COMPLETER_ROWS, *LLAMA_ROWS],
+    ap.add_argument("--rows", nargs="+", default=[*COMPLETER_ROWS, "llama_matched", "llama_q4_1"],
                     choices=[*COMPLETER_ROWS, *LLAMA_ROWS])
     ap.add_argument("--editors", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=40.0, help="replay per editor count")
