@@ -9,7 +9,8 @@ editors, and llama.cpp's server on the same weights, in one run.
 Every row replays the same traces (`keystrokes.py`: pip's sources typed key
 by key; `replay.py`). Each completer row is a fresh `completer serve` on the
 default model with one setting changed from the default (`all_on`: prefix
-cache, the drafter and n-gram proposals on, as shipped); the editor counts run
+cache, the drafter and n-gram proposals on, as shipped; all with a KV cache of
+2 GB, see KV); the editor counts run
 one after the other against it, on documents of their own (so no run starts
 warm from the one before). Each llama.cpp row is a fresh `llama-server` per
 editor count, with a slot per editor (`-np`, each slot as long as completer's
@@ -57,16 +58,21 @@ from completer.model_store import pull  # noqa: E402
 RESULTS = ROOT / "docs" / "results"
 CONTEXT_TOKENS = 1024  # completer's default model.context_tokens: llama.cpp's slots get the same
 
+# Every completer row holds each editor's window in its prefix cache, as llama.cpp's
+# slots do (-np editors, a window each): the default 256 MB holds ~5 windows of
+# SmolLM2 in fp32 (46 KB of K/V a token), so 8 or 32 editors would evict each other.
+KV = "engine.kv_cache_mb=2048"
 COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
-    "all_on": (),
-    "no_prefix_cache": ("engine.prefix_cache=false",),
-    "no_drafter": ("model.draft=",),
-    "no_ngram": ("spec.ngram=false",),
-    "no_speculation": ("model.draft=", "spec.ngram=false"),
-    "fp8": ("model.precision=fp8",),  # on a CPU, an emulation (quality, not speed)
+    "all_on": (KV,),
+    "no_prefix_cache": (KV, "engine.prefix_cache=false"),
+    "no_drafter": (KV, "model.draft="),
+    "no_ngram": (KV, "spec.ngram=false"),
+    "no_speculation": (KV, "model.draft=", "spec.ngram=false"),
+    "no_between_passes": (KV, "engine.between_passes=false"),
+    "fp8": (KV, "model.precision=fp8"),  # on a CPU, an emulation (quality, not speed)
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
     # other core; the engine keeps one. The threshold is below the window so it can.
-    "disagg": ("disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
+    "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
                "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
 }
 LLAMA_ROWS = ("llama_matched", "llama_q4_1", "llama_q4_1_ngram")

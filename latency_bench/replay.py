@@ -264,7 +264,7 @@ def summarize(samples: list[Sample]) -> dict:
                                            for s in ended) / max(1, len(first_answer)), 4),
         **{f"ttft_p{q}_ms": percentile_ms(firsts, q / 100) for q in (50, 90, 99)},
         **{f"e2e_p{q}_ms": percentile_ms([s.answer_s for s in ended], q / 100) for q in (50, 90, 99)},
-        **{f"itl_p{q}_ms": percentile_ms(itl, q / 100) for q in (50, 99)},
+        **{f"itl_p{q}_ms": percentile_ms(itl, q / 100) for q in (50, 90, 99)},
         "completed": len(ended),
         "exact_match": round(sum(s.text.rstrip() == s.expect.rstrip() for s in typed) / max(1, len(typed)), 4),
         "cached_share": round(sum(s.cached_tokens for s in computed) / prompt, 4) if prompt else None,
@@ -294,8 +294,13 @@ def main() -> None:
     opts = ReplayOptions(editors=a.editors, seconds=a.seconds, seed=a.seed)
     corpus, files = corpus_files(a.corpus)
     builder_for = prompt_states(a.model, a.context_tokens, opts.max_tokens) if a.llama else None
-    samples = asyncio.run(replay(traces(files, opts), opts, url=a.url or "", token=token,
-                                 llama=a.llama or "", builder_for=builder_for))
+    typed = traces(files, opts)
+    from rich.progress import Progress
+    with Progress() as bar:
+        task = bar.add_task(f"{opts.editors} editors typing",
+                            total=sum(1 for t in typed for _ in keys_in_time(t, opts.seconds)))
+        samples = asyncio.run(replay(typed, opts, url=a.url or "", token=token, llama=a.llama or "",
+                                     builder_for=builder_for, progress=lambda: bar.advance(task)))
     summary = summarize(samples)
     print(json.dumps(summary, indent=1))
     if a.out:
