@@ -39,7 +39,7 @@ def table(result: dict) -> list[str]:
     rows = result["rows"]
     base = rows.get("all_on", {}).get("runs", {})
     out = ["| row | editors | keys | served before next key | TTFT p50 / p90 / p99 | line end-to-end p50 / p99 "
-           "| ITL p50 | exact match | cached share | accepted | draft acceptance | errors "
+           "| ITL p50 | exact match | cached share | accepted of shown | draft acceptance | errors "
            "| p99 TTFT vs all_on | p50 line vs all_on |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
@@ -49,7 +49,8 @@ def table(result: dict) -> list[str]:
                 f"| {name} | {n} | {r['keystrokes']:,} | {fmt(r['served_before_next_key'], '%')} "
                 f"| {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p90_ms'])} / {fmt(r['ttft_p99_ms'])} ms "
                 f"| {fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms | {fmt(r['itl_p50_ms'])} ms "
-                f"| {fmt(r['exact_match'], '%')} | {fmt(r['cached_share'], '%')} | {fmt(r['accepted_share'], '%')} "
+                f"| {fmt(r['exact_match'], '%')} | {fmt(r['cached_share'], '%')} "
+                f"| {fmt(r['accepted_share'], '%') if r['shown'] else '-'} of {r['shown']:,} "
                 f"| {fmt(r.get('draft_acceptance'), '%')} | {r['errors']} "
                 f"| {ratio(r['ttft_p99_ms'], b.get('ttft_p99_ms'))} | {ratio(r['e2e_p50_ms'], b.get('e2e_p50_ms'))} |")
     return out
@@ -79,11 +80,16 @@ def aims(result: dict) -> list[str]:
         for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
                            ("e2e_p50_ms", "line p50"), ("e2e_p99_ms", "line p99")):
             a, b = mine.get(key), theirs.get(key)
-            ahead &= bool(a and b and a < b)
+            ahead &= a is not None and (b is None or a < b)  # None: not one answer of that kind came
             q = q4.get(n, {}).get(key)
             parts.append(f"{label} {fmt(a)} vs {fmt(b)} ms (Q4_1: {fmt(q)})")
+        verdict = "ahead" if ahead else "not ahead"
+        if not theirs.get("completed") and not mine.get("completed"):
+            verdict = "neither finished a suggestion"
+        elif not theirs.get("completed"):
+            verdict += " (llama.cpp finished no suggestion)"
         out.append(f"- {n} editor{'s' if n != '1' else ''}, completer vs llama.cpp on the same weights "
-                   f"({result['precision']}): " + "; ".join(parts) + f": {'ahead' if ahead else 'not ahead'}")
+                   f"({result['precision']}): " + "; ".join(parts) + f": {verdict}")
     return out
 
 
@@ -138,6 +144,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
     peers = {r.get("gguf") for r in result["rows"].values() if r["kind"] != "completer"}
     lines = [
         f"## {result['date'][:10]}: keystroke replay, every speed feature, llama.cpp on the same weights",
+        f"<!-- run {result['date']} -->",
         "",
         f"Machine: {m['cpu']}, {m['cores']} CPUs, {m['memory_gb']} GB, load average {m['load_average']} at the "
         f"start; commit {m['commit']}{' (with changes)' if m['uncommitted_changes'] else ''}. Default model, precision "
@@ -189,7 +196,7 @@ def render(json_path: Path, write_docs: bool = True) -> str:
     if write_docs:
         bench = ROOT / "BENCHMARKS.md"
         page, old = replace_between(bench.read_text(), START, END, text)
-        if old and old.strip() != text.strip():
+        if old and f"<!-- run {result['date']} -->" not in old:  # an earlier run: kept, marked
             date = result["date"][:10]
             old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date} above)", old, count=1, flags=re.M)
             page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
