@@ -143,7 +143,8 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
 
     peers = {r.get("gguf") for r in result["rows"].values() if r["kind"] != "completer"}
     lines = [
-        f"## {result['date'][:10]}: keystroke replay, every speed feature, llama.cpp on the same weights",
+        f"## {result['date'][:10]}, {result['date'][11:16]}: keystroke replay, every speed feature, "
+        "llama.cpp on the same weights",
         f"<!-- run {result['date']} -->",
         "",
         f"Machine: {m['cpu']}, {m['cores']} CPUs, {m['memory_gb']} GB, load average {m['load_average']} at the "
@@ -197,7 +198,7 @@ def render(json_path: Path, write_docs: bool = True) -> str:
         bench = ROOT / "BENCHMARKS.md"
         page, old = replace_between(bench.read_text(), START, END, text)
         if old and f"<!-- run {result['date']} -->" not in old:  # an earlier run: kept, marked
-            date = result["date"][:10]
+            date = f"{result['date'][:10]}, {result['date'][11:16]}"
             old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date} above)", old, count=1, flags=re.M)
             page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
         bench.write_text(page)
