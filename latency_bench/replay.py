@@ -38,6 +38,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from editors import percentile_ms as nearest_rank_ms  # noqa: E402
 from keystrokes import EditorState, Trace, corpus_files, make_trace  # noqa: E402
 
 DRAIN_S = 5.0  # after the last key: answers still owed get this long beyond the deadline
@@ -237,11 +238,7 @@ async def replay(traces_: list[Trace], opts: ReplayOptions, *, url: str = "", to
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
-    """Nearest rank: the value q of them were at most, in ms."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[max(0, min(len(ordered), int(-(-q * len(ordered) // 1))) - 1)] * 1000, 1)
+    return nearest_rank_ms(sorted(values), q)
 
 
 def summarize(samples: list[Sample]) -> dict:
