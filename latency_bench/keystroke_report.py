@@ -203,8 +203,13 @@ def render(json_path: Path, write_docs: bool = True) -> str:
             page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
         bench.write_text(page)
         readme = ROOT / "README.md"
-        headline = "\n".join(aims(result)) + "\n\nThe whole table, the plots and the dashboard under load: " \
-            "[BENCHMARKS.md](BENCHMARKS.md).\n"
+        m = result["machine"]
+        command = " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]])
+        headline = (f"Run of {result['date'][:10]}, {result['date'][11:16]}: `{command}` "
+                    f"on {m['cpu']}, {m['cores']} CPUs (the default device: cpu); precision {result['precision']}, "
+                    f"{result['seconds']:.0f} s of typing per editor count.\n\n"
+                    + "\n".join(aims(result)) + "\n\nThe whole table, the plots and the dashboard under load: "
+                    "[BENCHMARKS.md](BENCHMARKS.md).\n")
         page, _ = replace_between(readme.read_text(), HEAD_START, HEAD_END, headline)
         readme.write_text(page)
     return text
