@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
 from completer.gguf_checkpoint import GgufFile
 from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
@@ -122,23 +123,25 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_checkpoint(path: str | Path, precision: str = "fp32", device: str | torch.device = "cpu",
-                    target: Transformer | None = None) -> tuple[Transformer, TextTokenizer]:
+                    target: Transformer | None = None, fuse: bool = False) -> tuple[Transformer, TextTokenizer]:
     """The model and tokenizer of an HF directory or a GGUF file."""
     path = Path(path)
     if is_gguf(path):
         gguf = GgufFile(path)
-        return _load_gguf(gguf, precision, device), gguf.tokenizer()
-    return load_model(path, precision, device, target), load_tokenizer(path)
+        return _load_gguf(gguf, precision, device, fuse), gguf.tokenizer()
+    return load_model(path, precision, device, target, fuse), load_tokenizer(path)
 
 
 def load_model(path: str | Path, precision: str = "fp32", device: str | torch.device = "cpu",
-               target: Transformer | None = None) -> Transformer:
+               target: Transformer | None = None, fuse: bool = False) -> Transformer:
     """An HF checkpoint directory or a GGUF file. precision: auto, fp32, bf16,
-    fp16, or fp8 (projections as completer.fp8.Fp8Linear, the rest bf16).
-    `target`: the model a drafter with `embedding_from_target` drafts for."""
+    fp16, fp8 (projections as completer.fp8.Fp8Linear, the rest bf16), or on
+    CPU int8 / int4 (projections and head as completer.cpu_quant's, the rest
+    fp32). `target`: the model a drafter with `embedding_from_target` drafts
+    for. `fuse`: q/k/v and gate/up as one projection each (serving)."""
     path = Path(path)
     if is_gguf(path):
-        return _load_gguf(GgufFile(path), precision, device)
+        return _load_gguf(GgufFile(path), precision, device, fuse)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
     cfg = parse_config(path / "config.json")
@@ -149,17 +152,17 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
             raise CheckpointError(f"{path / 'config.json'}: a drafter that reads its target's embeddings "
                                   f"({cfg.vocab_size} x {cfg.hidden_size}) needs that target")
         state["model.embed_tokens.weight"] = embedding.detach()
-    model = _build(cfg, state, scales, precision, device, path)
+    model = _build(cfg, state, scales, precision, device, path, fuse)
     if cfg.embedding_from_target and model.model.embed_tokens.weight.dtype == embedding.dtype:
         model.model.embed_tokens.weight = target.model.embed_tokens.weight  # one copy in memory
     return model
 
 
-def _load_gguf(gguf: GgufFile, precision: str, device) -> Transformer:
+def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Transformer:
     cfg = gguf.config()
     state = gguf.state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
-    model = _build(cfg, state, {}, precision, device, gguf.path)
+    model = _build(cfg, state, {}, precision, device, gguf.path, fuse)
     factors = gguf.rope_freq_factors()
     if factors is not None:
         model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
@@ -214,15 +217,19 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
 
 
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-           precision: str, device, source: Path) -> Transformer:
+           precision: str, device, source: Path, fuse: bool = False) -> Transformer:
     precision = resolve_precision(precision, device)
+    if precision in CPU_PRECISIONS and torch.device(device).type != "cpu":
+        raise CheckpointError(f"precision {precision!r} runs on CPU only (on {device}: fp8 or bf16)")
     missing = sorted(set(_expected_shapes(cfg)) - set(state))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: tensor {missing[0]!r}{more} missing from the weights")
-    dtype = torch.bfloat16 if precision == "fp8" else DTYPES.get(precision)
+    dtype = torch.bfloat16 if precision == "fp8" else torch.float32 if precision in CPU_PRECISIONS \
+        else DTYPES.get(precision)
     if dtype is None:
-        raise CheckpointError(f"unknown precision {precision!r} (known: auto, {', '.join(DTYPES)}, fp8)")
+        raise CheckpointError(f"unknown precision {precision!r} "
+                              f"(known: auto, {', '.join(DTYPES)}, fp8, {', '.join(CPU_PRECISIONS)})")
     fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -239,6 +246,13 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
             raise CheckpointError(f"{source}: {e}") from None
         if precision == "fp8":
             quantize_linears(model)
+    if fuse:
+        model.fuse_projections()
+    if precision in CPU_PRECISIONS:
+        try:
+            quantize_cpu_linears(model, precision)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
     return model
 
 

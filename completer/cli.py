@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
+PRECISIONS = ["auto", "fp32", "bf16", "fp8", "int8", "int4"]
+
 if TYPE_CHECKING:  # imported where used: `completer --help` stays quick
     from completer.config import Config
 
@@ -68,7 +70,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
     m = config.model
     try:  # torch work stays off this thread (see run_in_passing_thread)
         target, draft = run_in_passing_thread(load_models, m.target, m.draft, m.precision, m.template or None,
-                                              m.order or None, m.device)
+                                              m.order or None, m.device, m.fuse_projections)
     except (CheckpointError, ModelFetchError) as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "(the small model shipped in the package)")
     p.add_argument("--draft", help="sets model.draft: a file or directory, 'embedded', or '' for none "
                                    "('default': the drafter made for the target, if any)")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"], help="sets model.precision")
+    p.add_argument("--precision", choices=PRECISIONS, help="sets model.precision")
     p.add_argument("--template", help="sets model.template (default: detected from the tokenizer)")
     p.add_argument("--mode", choices=["line", "block", "free"], help="sets request.mode")
     p.add_argument("--max-tokens", type=int, help="sets request.max_tokens")
@@ -279,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "sees it in `ps`: prefer --token-file or $COMPLETER_TOKEN")
     p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default' or "
                                    "'embedded' (sets model.target)")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp8"],
-                   help="weights precision (auto: bf16 where native; fp8 is emulated on CPU)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="weights precision (auto: bf16 where native; fp8 is emulated on CPU; int8/int4: CPU only)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.set_defaults(func=cmd_serve)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_NAMES = ("qkv_proj", "gate_up_proj")  # Transformer.fuse_projections' concatenations
 _emulation_logged = False
 _choices: dict[tuple, object] = {}  # (M bucket, N, K, device) -> the fastest GEMM
 _quantize_kernel = None
@@ -123,6 +124,13 @@ class Fp8Linear(nn.Module):
             return cls(weight, scale.float().reshape(-1).expand(weight.shape[0]), bias)
         return cls(*quantize_rows(dequantize(weight, scale)), bias)
 
+    @classmethod
+    def concat(cls, layers: list["Fp8Linear"]) -> "Fp8Linear":
+        """Outputs side by side: per-channel scales concatenate exactly."""
+        biases = [m.bias for m in layers]
+        bias = None if biases[0] is None else torch.cat(biases)
+        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.weight_scale for m in layers]), bias)
+
     def _apply(self, fn, recurse=True):
         # model.to(dtype) / .half() would cast the e4m3 weight and fp32 scales:
         # follow only the device that `fn` moves tensors to.
@@ -187,7 +195,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w * (s.reshape(()) if layout == "tensor" else s.reshape(N, 1))
 
 
-def quantize_linears(model: nn.Module, names: tuple[str, ...] = LINEAR_NAMES) -> nn.Module:
+def quantize_linears(model: nn.Module, names: tuple[str, ...] = LINEAR_NAMES + FUSED_NAMES) -> nn.Module:
     """Replace every transformer projection (q, k, v, o, gate, up, down; or
     only those in `names`) that is still an nn.Linear by an Fp8Linear, in
     place; returns the model."""

@@ -50,12 +50,14 @@ def detect_template(tokenizer: TextTokenizer) -> str:
 
 
 def load(directory: str | Path, precision: str = "fp32", template: str | None = None,
-         order: str | None = None, device: str = "cpu", target: LoadedModel | None = None) -> LoadedModel:
-    """A model with its tokenizer and template; `target` for a drafter that
-    reads its target's embeddings."""
+         order: str | None = None, device: str = "cpu", target: LoadedModel | None = None,
+         fuse: bool = True) -> LoadedModel:
+    """A model with its tokenizer and template, ready to serve (`fuse`: one
+    GEMM for q/k/v and one for gate/up); `target` for a drafter that reads
+    its target's embeddings."""
     directory = Path(directory)
     precision = resolve_precision(precision, device)
-    model, tokenizer = load_checkpoint(directory, precision, device, target.model if target else None)
+    model, tokenizer = load_checkpoint(directory, precision, device, target.model if target else None, fuse)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary has {model.config.vocab_size}")
@@ -65,11 +67,12 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
 
 
 def load_models(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
-                template: str | None = None, order: str | None = None,
-                device: str = "cpu") -> tuple[LoadedModel, LoadedModel | None]:
+                template: str | None = None, order: str | None = None, device: str = "cpu",
+                fuse: bool = True) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and drafter from their settings ("default", "embedded", a path;
     a drafter "" is none), as `completer serve` loads them."""
     target_path = resolve_target(target)
     draft_path = resolve_draft(str(draft), target_path)
-    loaded = load(target_path, precision, template, order, device)
-    return loaded, load(draft_path, precision, template, order, device, target=loaded) if draft_path else None
+    loaded = load(target_path, precision, template, order, device, fuse=fuse)
+    drafter = load(draft_path, precision, template, order, device, loaded, fuse) if draft_path else None
+    return loaded, drafter

@@ -130,7 +130,7 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: [B, H, T, D]; cos/sin: [B, 1, T, D]."""
+    """Rotate-half RoPE (HF layout). x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -143,9 +143,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def concat_linears(linears: list[nn.Module]) -> nn.Module:
+    """One projection computing `linears`' outputs side by side (one GEMM
+    instead of several over the same input): an nn.Linear, or the linears'
+    own type where it can `concat` (Fp8Linear)."""
+    first = linears[0]
+    if type(first) is not nn.Linear:
+        return type(first).concat(linears)
+    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return fused.requires_grad_(False)
 
 
 class Attention(nn.Module):
@@ -158,13 +176,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
+        self.qkv_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """q, k and v as one projection (serving; checkpoints keep HF's names)."""
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, positions, backend: AttentionBackend | None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        heads = self.n_heads + 2 * self.n_kv
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(b, t, heads, self.head_dim)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1).view(b, t, heads, self.head_dim)
+        # RoPE on q and k heads together: one rotation for both.
+        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin).transpose(1, 2)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
+        v = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
         if backend is None:  # training / stateless scoring: causal over this batch
             out = attention_fp32(q, k, v, None, causal=True)
         else:
@@ -179,9 +208,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -220,6 +257,13 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
 
+    def fuse_projections(self) -> "Transformer":
+        """Each layer's q/k/v and gate/up as one GEMM each (for serving). In place."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def init_weights(self, std: float = 0.02) -> None:
         """Fresh weights for training (loaded checkpoints skip this): N(0, std),
         output projections scaled down by depth as in GPT-2, zero biases."""
@@ -235,7 +279,7 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # [B, T, 1, D]
         return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,

@@ -29,17 +29,21 @@ from completer.loading import LoadedModel, load_models
 
 
 def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int,
-                   width: int = 1) -> str:
+                   width: int = 1, batch: int = 1) -> str:
     torch.set_num_threads(threads)
-    blocks = -(-context // 16) + 8
+    per_row = -(-(context + width) // 16)
+    blocks = batch * per_row + 8
     runner = ModelRunner(loaded.model, KVPool(loaded.model.config, blocks, 16))
-    state = CacheState()
-    BlockManager(blocks, 16).grow(state.table, context + width)
-    runner.execute([state], [[1] * context], last_only=True)
+    manager = BlockManager(blocks, 16)
+    states = [CacheState() for _ in range(batch)]
+    for state in states:
+        manager.grow(state.table, context + width)
+        runner.execute([state], [[1] * context], last_only=True)
 
     def step() -> None:
-        runner.execute([state], [[7] * width], last_only=width == 1)
-        state.computed = context
+        runner.execute(states, [[7] * width] * batch, last_only=width == 1)
+        for state in states:
+            state.computed = context
 
     for _ in range(5):
         step()
@@ -48,7 +52,8 @@ def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, thr
             step()
     per_step_ms = prof.key_averages().self_cpu_time_total / steps / 1000
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return f"{loaded.name}: {per_step_ms:.2f} ms of CPU per {width}-token pass ({steps} passes)\n{table}\n"
+    return (f"{loaded.name}: {per_step_ms:.2f} ms of CPU per pass of {batch} x {width} new tokens "
+            f"({steps} passes)\n{table}\n")
 
 
 async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int) -> str:
@@ -72,6 +77,7 @@ def main() -> int:
     p.add_argument("--model", default="embedded", help="the target setting: embedded, default, a path")
     p.add_argument("--precision", default="auto")
     p.add_argument("--width", type=int, default=1, help="new tokens per profiled pass")
+    p.add_argument("--batch", type=int, default=1, help="sequences per profiled pass")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=30)
@@ -83,7 +89,7 @@ def main() -> int:
     out.write(f"precision {target.precision}, {args.threads} threads\n\n")
     for loaded in (target, draft):  # on a thread that ends, as the engine's torch work wants
         out.write(run_in_passing_thread(operator_table, loaded, args.context, args.steps, args.rows,
-                                        args.threads, args.width))
+                                        args.threads, args.width, args.batch))
     out.write(asyncio.run(pass_costs(target, draft, args.threads)))
     print(out.getvalue())
     if args.out:

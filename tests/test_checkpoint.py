@@ -135,7 +135,7 @@ def test_drafter_reads_its_targets_embeddings_and_proposes_from_its_head(saved, 
 
     from completer.training.trainer import drafter_from_teacher
 
-    target = load(saved)
+    target = load(saved, fuse=False)  # as training reads it: HF's projection names
     cfg = msgspec.structs.replace(TINY, num_hidden_layers=1, head_vocab_size=50, embedding_from_target=True,
                                   tie_word_embeddings=False)
     drafter = Transformer(cfg).eval()

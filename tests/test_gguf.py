@@ -52,7 +52,7 @@ def test_gguf_tied_embeddings_share_one_tensor(tmp_path):
 def test_gguf_serving_precision_and_template(tmp_path):
     path, _ = write_pair(tmp_path, "qwen2", Q.Q4_K)
     loaded = load(path, "bf16")
-    assert loaded.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert loaded.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert loaded.template.name == "default"  # the shipped vocabulary has FIM tokens
     assert loaded.name == "model.gguf"
 

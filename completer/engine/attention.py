@@ -8,7 +8,9 @@ which no real token reads.
 
 Backends implement `model.AttentionBackend`: `attend` writes the layer's new
 K/V (`write_kv`), then reads.
-- `TorchAttention`: gathers each row's context and runs fp32 SDPA (CPU, any width).
+- `TorchAttention`: fp32 SDPA over each row's context: a slice of the pool
+  when every row sits on consecutive blocks (the block manager allocates
+  that way where it can), else a gathered copy (CPU, any width).
 - `TritonAttention`: the paged kernel reads K/V through the block tables in
   place (no gather copy), one query per new token reading its table up to its
   own position (causal among the new tokens). At verify widths (k + 1 <= 9)
@@ -26,16 +28,21 @@ from completer.model import attention_fp32
 
 
 class AttentionMetadata:
-    __slots__ = ("positions", "slot_mapping", "block_tables", "context_lens", "query_lens", "max_context")
+    __slots__ = ("positions", "slot_mapping", "block_tables", "context_lens", "query_lens", "max_context",
+                 "row_slices")
 
     def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, query_lens: list[int], max_context: int):
+                 context_lens: torch.Tensor, query_lens: list[int], max_context: int,
+                 row_slices: list[tuple[int, int]] | None = None):
         self.positions = positions  # [B, T] long
         self.slot_mapping = slot_mapping  # [B * T] long: where each new token's K/V goes
         self.block_tables = block_tables  # [B, W] int32
         self.context_lens = context_lens  # [B * T] int32: tokens each new token attends to
         self.query_lens = query_lens  # new tokens per row (host)
         self.max_context = max_context
+        # (first slot, length) of each row's context when every row sits on
+        # consecutive blocks (host); None otherwise.
+        self.row_slices = row_slices
 
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
@@ -57,7 +64,8 @@ class AttentionMetadata:
         slots = table.gather(1, positions // block_size) * block_size + positions % block_size
         slots[offsets >= lens] = 0  # padding: scratch
         return cls(positions.to(device), slots.flatten().to(device), table.int().to(device),
-                   (positions + 1).flatten().int().to(device), list(query_lens), max_context)
+                   (positions + 1).flatten().int().to(device), list(query_lens), max_context,
+                   _row_slices(tables, starts, query_lens, block_size))
 
     def copy_(self, other: "AttentionMetadata") -> None:
         """Fill these (static, larger) buffers from `other`; rows past it point at scratch."""
@@ -69,6 +77,18 @@ class AttentionMetadata:
         self.context_lens[other.context_lens.shape[0]:] = 1
         self.block_tables.zero_()
         self.block_tables[:B, :W].copy_(other.block_tables, non_blocking=True)
+
+
+def _row_slices(tables: list[list[int]], starts: list[int], query_lens: list[int],
+                block_size: int) -> list[tuple[int, int]] | None:
+    slices = []
+    for row, start, n in zip(tables, starts, query_lens):
+        length = start + n
+        used = row[: -(-length // block_size)]
+        if used[-1] - used[0] != len(used) - 1 or any(b - a != 1 for a, b in zip(used, used[1:])):
+            return None
+        slices.append((used[0] * block_size, length))
+    return slices
 
 
 class PagedAttention:
@@ -94,9 +114,9 @@ class TorchAttention(PagedAttention):
         bs, span = pool.block_size, meta.max_context
         tables = meta.block_tables.long()
         B, T = meta.positions.shape
-        # Slot of every position each row reads; past a row's end they are masked.
-        offsets = torch.arange(bs, device=tables.device)
-        self.read_slots = (tables[:, :, None] * bs + offsets).flatten(1)[:, :span].contiguous()
+        if meta.row_slices is None:  # slot of every position each row reads; past a row's end, masked
+            offsets = torch.arange(bs, device=tables.device)
+            self.read_slots = (tables[:, :, None] * bs + offsets).flatten(1)[:, :span].contiguous()
         # One row needs no mask to decode one token (it sees everything), and none
         # to prefill from position 0 (plain causal: SDPA's fast kernel).
         self.causal = B == 1 and T == span and T > 1
@@ -108,11 +128,23 @@ class TorchAttention(PagedAttention):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         kp, vp = self.write_kv(layer, k, v)
+        if self.meta.row_slices is not None:
+            return self._attend_slices(q, kp, vp)
         B, S = self.read_slots.shape  # index_select: faster than [] indexing on CPU
         flat = self.read_slots.flatten()
         keys = kp.index_select(0, flat).view(B, S, *kp.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
         values = vp.index_select(0, flat).view(B, S, *vp.shape[1:]).transpose(1, 2)
         return attention_fp32(q, keys, values, self.mask, causal=self.causal)
+
+    def _attend_slices(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+        """Each row over its context read in place: a view of the pool, no copy."""
+        outs = []
+        for b, (first, length) in enumerate(self.meta.row_slices):
+            keys = kp[first: first + length].unsqueeze(0).transpose(1, 2)  # [1, Hkv, S, D]
+            values = vp[first: first + length].unsqueeze(0).transpose(1, 2)
+            mask = None if self.mask is None else self.mask[b: b + 1, :, :, :length]
+            outs.append(attention_fp32(q[b: b + 1], keys, values, mask, causal=self.causal))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class TritonAttention(PagedAttention):

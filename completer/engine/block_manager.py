@@ -113,7 +113,19 @@ class BlockManager:
         if needed > len(self.free):
             raise OutOfBlocks(f"KV cache full: need {needed} blocks, {len(self.free)} free")
         for _ in range(needed):
-            table.append(self._take_free())
+            table.append(self._take_after(table[-1]) if table else self._take_free())
+
+    def _take_after(self, block: int) -> int:
+        """The block right after `block` if it is free and holds nothing
+        reusable, else the LRU's first: a sequence on consecutive blocks is
+        read by attention as one slice of the pool, without a gather copy (a
+        keystroke's request regrows onto the blocks its predecessor freed)."""
+        after = block + 1
+        if after < self.num_blocks and after in self.free and self.key[after] is None:
+            del self.free[after]
+            self.ref_count[after] = 1
+            return after
+        return self._take_free()
 
     def publish(self, table: list[int], chain: list[int], tokens: list[int], num_computed: int,
                 salt: str = "") -> None:

@@ -1,0 +1,121 @@
+"""Int8 and int4 weights for CPU decode: the CPU counterpart of fp8.py.
+
+A decode step on a CPU streams every weight once per token, so its time is
+bytes moved: int8 moves a quarter of fp32's, int4 an eighth.
+
+- `Int8Linear`: 8-bit weights (7 bits of magnitude), one scale per output
+  channel, times activations quantized to 8 bits per token, run by fbgemm's
+  dynamic-quantized GEMM (`quantized.linear_dynamic`): integer products with
+  AVX2/AVX512 kernels, rescaled to fp32. (torch's weight-only
+  `_weight_int8pack_mm` has no vectorized AVX2 path: measured 6-17x slower
+  than fp32 here.)
+- `Int4Linear`: 4-bit weights in groups of 32 along the input, each group
+  with a scale and a minimum: GGUF's Q4_1 layout, so a Q4_1 file's weights
+  come back exactly. Run by torch's packed CPU kernel
+  (`_weight_int4pack_mm_for_cpu`) with fp32 activations.
+
+Embeddings, norms, attention and the KV cache stay fp32. The output head is
+int8 in both (a fifth of a small model's bytes; a Q4_1 GGUF keeps it Q8_0
+too).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from completer.fp8 import FUSED_NAMES, LINEAR_NAMES
+
+CPU_PRECISIONS = ("int8", "int4")
+INT4_GROUP = 32  # Q4_1's block
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (w_q * scale).T + bias with x quantized to 8 bits per token,
+    fp32 in and out. fbgemm quantizes a call's activations with one scale, so
+    each row is first divided by its largest magnitude (per-token scales, as
+    the FP8 path has) and the output rows multiplied back. Weights keep 7 bits
+    (|q| <= 63): without VNNI, AVX2 sums pairs of u8 x s8 products in int16,
+    which 255 x 127 x 2 would overflow; 255 x 63 x 2 does not, so activations
+    keep all 8 bits (measured on SmolLM2: 7-bit activations instead lose 7
+    points of top-1 agreement)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(1).clamp(min=1e-8) / 63).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated; their fbgemm kernels are not
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # A last row holding -1 and 1 pins fbgemm's range to [-1, 1] whatever
+        # the other rows hold: a row's result never depends on its batch.
+        span = torch.zeros(1, self.in_features)
+        span[0, :2] = torch.tensor([-1.0, 1.0])
+        self.register_buffer("span_row", span)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        rows = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        x2 = torch.cat((x2 / rows, self.span_row))
+        y = torch.ops.quantized.linear_dynamic(x2, self.packed, False)[:-1] * rows
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups along the input: (q in 0..15 [N, K], scale
+    [N, K/g], minimum [N, K/g]) with weight ~= q * scale + minimum."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return q.view(N, K).to(torch.int32), scale, low
+
+
+class Int4Linear(nn.Module):
+    """y = x @ (q * scale + minimum).T + bias, from packed 4-bit weights."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % group:
+            raise ValueError(f"int4: input width {self.in_features} is not a multiple of the group {group}")
+        q, scale, low = int4_groups(weight, group)
+        self.group = group
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        # torch's kernel computes (q - 8) * scale + zero: zero is the group's middle.
+        zero = low + 8 * scale
+        self.register_buffer("scales_and_zeros", torch.stack((scale, zero), -1).transpose(0, 1).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).float(), self.packed, self.group,
+                                              self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+def quantize_cpu_linears(model: nn.Module, precision: str) -> nn.Module:
+    """Every projection (fused or not) as `precision` ("int8" or "int4")
+    linears and the output head as int8, in place; returns the model."""
+    kind = {"int8": Int8Linear, "int4": Int4Linear}[precision]
+    for module in list(model.modules()):
+        for name in LINEAR_NAMES + FUSED_NAMES + ("lm_head",):
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                setattr(module, name, (Int8Linear if name == "lm_head" else kind)(child.weight, child.bias))
+    return model
