@@ -32,6 +32,24 @@ CPU_PRECISIONS = ("int8", "int4")
 INT4_GROUP = 32  # Q4_1's block
 
 
+# fbgemm's packed weights are a TorchScript object, which torch.compile cannot
+# trace: the GEMM is a custom op that finds them through a tensor handle (an
+# int argument would be a constant, one graph per layer).
+_PACKED: list = []
+
+
+@torch.library.custom_op("completer::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """fbgemm's dynamic-quantized GEMM of x [M, K] with the packed weights
+    numbered handle[0]; [M, N] fp32, N = handle's length."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle[0])], False)
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], handle.shape[0])
+
+
 class Int8Linear(nn.Module):
     """y = x @ (w_q * scale).T + bias with x quantized to 8 bits per token,
     fp32 in and out. fbgemm quantizes a call's activations with one scale, so
@@ -50,7 +68,9 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # quantized tensors are deprecated; their fbgemm kernels are not
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        _PACKED.append(torch.ops.quantized.linear_prepack(qw, None))
+        self.index = len(_PACKED) - 1
+        self.register_buffer("handle", torch.full((self.out_features,), self.index, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         # A last row holding -1 and 1 pins fbgemm's range to [-1, 1] whatever
         # the other rows hold: a row's result never depends on its batch.
@@ -62,7 +82,11 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         rows = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)
         x2 = torch.cat((x2 / rows, self.span_row))
-        y = torch.ops.quantized.linear_dynamic(x2, self.packed, False)[:-1] * rows
+        if torch.compiler.is_compiling():
+            y = int8_linear(x2, self.handle)
+        else:  # the op itself: a custom op's dispatch costs microseconds a call
+            y = torch.ops.quantized.linear_dynamic(x2, _PACKED[self.index], False)
+        y = y[:-1] * rows
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

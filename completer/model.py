@@ -130,7 +130,7 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
+    """Rotate-half RoPE (HF layout). x: [N, H, D]; cos/sin: [N, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -183,22 +183,27 @@ class Attention(nn.Module):
         self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, positions, backend: AttentionBackend | None):
-        b, t, _ = x.shape
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [N, d] normed tokens; cos/sin [N, 1, D]. Returns q [N, Hq, D] and
+        k, v [N, Hkv, D], RoPE applied."""
         heads = self.n_heads + 2 * self.n_kv
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(b, t, heads, self.head_dim)
+            qkv = self.qkv_proj(x)
         else:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1).view(b, t, heads, self.head_dim)
-        # RoPE on q and k heads together: one rotation for both.
-        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], cos, sin).transpose(1, 2)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
-        v = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+        qkv = qkv.view(-1, heads, self.head_dim)
+        qk = apply_rope(qkv[:, : self.n_heads + self.n_kv], cos, sin)  # q and k heads in one rotation
+        return qk[:, : self.n_heads], qk[:, self.n_heads:], qkv[:, self.n_heads + self.n_kv:]
+
+    def attend(self, q, k, v, shape: tuple[int, int], positions, backend: AttentionBackend | None):
+        """[N, H, D] in, [N, Hq * D] out; rows [B, T] = `shape` for the backend."""
+        b, t = shape
+        q, k, v = (x.view(b, t, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         if backend is None:  # training / stateless scoring: causal over this batch
             out = attention_fp32(q, k, v, None, causal=True)
         else:
             out = backend.attend(self.layer, q, k, v, positions)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return out.transpose(1, 2).reshape(b * t, -1)
 
 
 class MLP(nn.Module):
@@ -229,8 +234,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, backend)
+    # A layer is two dense halves around attention (tokens flattened to
+    # [N, d]): what torch.compile fuses, while attention reads the paged pool.
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.o_proj(attended)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -256,6 +266,19 @@ class Transformer(nn.Module):
             self.register_buffer("head_token_ids", torch.arange(cfg.head_vocab_size))
         self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
+        self.layer_halves = (DecoderLayer.attention_inputs, DecoderLayer.after_attention)
+        self.compiled = False
+
+    def compile_layers(self) -> "Transformer":
+        """Each layer's dense halves through torch.compile (inductor): one
+        graph serves every layer (their weights are graph inputs) and every
+        token count above 1 (dynamic shapes); attention stays eager."""
+        if self.compiled:  # a model shared by several engines
+            return self
+        self.compiled = True
+        self.layer_halves = tuple(torch.compile(f, dynamic=True) for f in
+                                  (DecoderLayer.attention_inputs, DecoderLayer.after_attention))
+        return self
 
     def fuse_projections(self) -> "Transformer":
         """Each layer's q/k/v and gate/up as one GEMM each (for serving). In place."""
@@ -279,17 +302,19 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # [B, T, 1, D]
+        angles = torch.cat((angles, angles), dim=-1).view(-1, 1, angles.shape[-1] * 2)  # [N, 1, D]
         return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
                       backend: AttentionBackend | None = None) -> torch.Tensor:
         """tokens, positions: [B, T] int64. Returns the final-normed hidden states."""
         cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens.flatten())
+        inputs, after = self.layer_halves
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, backend)
-        return self.model.norm(x)
+            q, k, v = inputs(layer, x, cos, sin)
+            x = after(layer, x, layer.self_attn.attend(q, k, v, tokens.shape, positions, backend))
+        return self.model.norm(x).view(*tokens.shape, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary from final hidden states [..., D]."""

@@ -11,6 +11,7 @@ speculate), `sampler` and `rejection_sampler` (choosing tokens),
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ from completer.engine.stopping import OutputText
 from completer.healing import TokenHealer
 from completer.model import Transformer
 from completer.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from completer.disagg.remote import RemotePrefill
@@ -128,6 +131,20 @@ class EngineCore:
     def only_transfers(self) -> bool:
         """Nothing to compute until a worker's K/V arrives (or a deadline passes)."""
         return self.scheduler.only_transfers
+
+    def compile_passes(self) -> None:
+        """With `engine.compile` on a CPU: compile each model's layers now
+        (a 1-token pass, then one of several tokens: the two shapes inductor
+        specializes), not under a user's first keystroke."""
+        runners = {role: r for role, r in self.runners.items() if r.device.type == "cpu"}
+        if not self.config.compile or not runners:
+            return
+        log.info("engine: compiling the decode and verify passes (torch.compile; engine.compile=false skips)")
+        started = time.perf_counter()
+        for role, runner in runners.items():
+            runner.model.compile_layers()
+            time_passes(runner, self.kv.pools[role], 1, [1, 2], 16, 1)
+        log.info("engine: passes compiled in %.1f s", time.perf_counter() - started)
 
     def calibrate(self, context: int = 256, reps: int = 3, batches: tuple[int, ...] = (1, 4)) -> None:
         previous = torch.get_num_threads()

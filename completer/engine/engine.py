@@ -124,6 +124,7 @@ class Engine:
         def run() -> None:
             core = self.core
             try:
+                core.compile_passes()
                 if core.spec.adaptive and core.speculator.proposers:
                     core.calibrate()
                 if core.disagg is not None:

@@ -1,0 +1,107 @@
+"""The CPU decode path: fused projections and compiled layers leave greedy
+output as eager's; int8 and int4 linears stay within their quantization error,
+give a row the same result whatever its batch, and int4 reproduces Q4_1
+weights exactly."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from completer.checkpoint import CheckpointError
+from completer.cpu_quant import INT4_GROUP, Int4Linear, Int8Linear
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.engine import Engine
+from completer.engine.request import Request, SamplingParams
+from completer.loading import load
+from completer.model_store import EMBEDDED_TARGET
+
+PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f"
+
+
+def greedy_text(loaded, compile: bool, n: int = 32) -> str:
+    """Greedy text through the engine as the server runs it (Engine.start
+    compiles when `compile`), without speculation."""
+    async def go():
+        engine = Engine.build(loaded, None, EngineConfig(compile=compile, kv_cache_mb=16),
+                              SpecConfig(ngram=False, draft_model=False))
+        engine.start()
+        try:
+            stream = engine.submit(Request("r", loaded.tokenizer.encode(PROMPT),
+                                           SamplingParams(max_tokens=n, mode="free")))
+            return (await stream.finished()).text
+        finally:
+            engine.stop()
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def eager_unfused():
+    return load(EMBEDDED_TARGET, "fp32", fuse=False)
+
+
+def test_fused_projections_give_the_same_logits(eager_unfused):
+    fused = load(EMBEDDED_TARGET, "fp32")
+    assert fused.model.model.layers[0].self_attn.qkv_proj is not None
+    ids = torch.tensor([fused.tokenizer.encode(PROMPT)])
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.model(ids), eager_unfused.model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_fused_passes_decode_as_eager(eager_unfused):
+    with torch.inference_mode():
+        ids = torch.tensor([eager_unfused.tokenizer.encode(PROMPT)])
+        reference = eager_unfused.model(ids)
+    compiled = load(EMBEDDED_TARGET, "fp32").model.compile_layers()
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(ids), reference, atol=1e-4, rtol=1e-4)  # a prefill pass
+        torch.testing.assert_close(compiled(ids[:, :1]), reference[:, :1], atol=1e-4, rtol=1e-4)  # one token
+
+
+def test_engine_greedy_output_is_the_same_fused_and_compiled_as_eager(eager_unfused):
+    want = greedy_text(eager_unfused, compile=False)
+    fast = load(EMBEDDED_TARGET, "fp32")
+    assert greedy_text(fast, compile=True) == want
+    assert fast.model.compiled
+    int8 = load(EMBEDDED_TARGET, "int8")
+    assert greedy_text(int8, compile=True) == greedy_text(int8, compile=False)
+
+
+def test_int8_linear_is_close_and_gives_a_row_the_same_result_in_any_batch():
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    layer = Int8Linear(w, b)
+    x = torch.randn(5, 64) * torch.logspace(-2, 2, 5)[:, None]  # rows of very different sizes
+    y = layer(x)
+    exact = F.linear(x, w, b)
+    assert ((y - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.03
+    for i in range(5):
+        assert torch.equal(layer(x[i: i + 1]), y[i: i + 1])
+
+
+def test_int4_linear_reproduces_q4_1_weights_and_refuses_other_widths():
+    torch.manual_seed(0)
+    N, K = 64, 96
+    q = torch.randint(0, 16, (N, K // INT4_GROUP, INT4_GROUP)).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as Q4_1's quantizer makes it
+    scale, low = torch.rand(N, K // INT4_GROUP, 1) * 0.1, torch.randn(N, K // INT4_GROUP, 1)
+    w = (q * scale + low).view(N, K)
+    x = torch.randn(3, K)
+    torch.testing.assert_close(Int4Linear(w, None)(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        Int4Linear(torch.randn(8, 40), None)
+
+
+def test_int8_and_int4_models_mostly_agree_with_fp32(eager_unfused):
+    ids = torch.tensor([eager_unfused.tokenizer.encode(PROMPT * 3)])
+    with torch.inference_mode():
+        reference = eager_unfused.model(ids).argmax(-1)
+        for precision in ("int8", "int4"):
+            quantized = load(EMBEDDED_TARGET, precision)
+            assert (quantized.model(ids).argmax(-1) == reference).float().mean() > 0.8, precision
+
+
+def test_int8_on_cuda_fails_at_load_naming_the_precision():
+    with pytest.raises(CheckpointError, match="int8.*CPU only"):
+        load(EMBEDDED_TARGET, "int8", device="cuda")
