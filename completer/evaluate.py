@@ -31,7 +31,7 @@ from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models
 from completer.pipeline import LocalCompleter, RequestOptions
 from completer.protocol import Document
-from completer.training.corpus import SourceFile, read_python_files
+from completer.training.corpus import SourceFile, pip_sources, read_python_files
 
 
 class EvalReport(msgspec.Struct):
@@ -55,10 +55,9 @@ class EvalReport(msgspec.Struct):
 def heldout_files() -> tuple[str, list[SourceFile]]:
     """Held-out code: the installed pip's sources (training reads only the
     standard library). Named by pip's version, which the figures depend on."""
-    import pip
+    root, version = pip_sources()
+    return f"pip {version} sources", read_python_files(root, exclude_dirs=("__pycache__",))
 
-    root = Path(pip.__file__).parent
-    return f"pip {pip.__version__} sources", read_python_files(root, exclude_dirs=("__pycache__",))
 
 
 @torch.inference_mode()

@@ -266,8 +266,7 @@ class Transformer(nn.Module):
             self.register_buffer("head_token_ids", torch.arange(cfg.head_vocab_size))
         self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
-        self.layer_halves = (DecoderLayer.attention_inputs, DecoderLayer.after_attention)
-        self.compiled = False
+        self.eager_layers()
 
     def compile_layers(self) -> "Transformer":
         """Each layer's dense halves through torch.compile (inductor): one
@@ -278,6 +277,11 @@ class Transformer(nn.Module):
         self.compiled = True
         self.layer_halves = tuple(torch.compile(f, dynamic=True) for f in
                                   (DecoderLayer.attention_inputs, DecoderLayer.after_attention))
+        return self
+
+    def eager_layers(self) -> "Transformer":
+        self.layer_halves = (DecoderLayer.attention_inputs, DecoderLayer.after_attention)
+        self.compiled = False
         return self
 
     def fuse_projections(self) -> "Transformer":

@@ -3,15 +3,15 @@
 precision, side by side in one run. Prints a table; writes JSON.
 
     python latency_bench/llama_peer.py build           # once: llama-server from source (cached)
-    python latency_bench/cpu_decode_bench.py           # ~12 min on 2 cores -> docs/results/cpu_decode_bench.json
+    python latency_bench/cpu_decode_bench.py           # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
     python latency_bench/cpu_decode_bench.py --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 
 Rows: completer at fp32 (fused q/k/v and gate/up; `fp32_unfused`; `*_compiled`
-with `engine.compile`, skipped with a note while EngineConfig has no such
-field), int8, int4, all loaded from the default Q4_1 GGUF; llama.cpp on the F32
-and Q8_0 GGUFs llama_peer writes from it (`matched_gguf`) and on the Q4_1 file
-itself. Each at batch 1 and 4 (4 concurrent requests, 4 prompts), one after
-the other (never two at once), `--threads` each.
+with `engine.compile`, the others without), int8, int4, each a fresh load of
+the default Q4_1 GGUF; llama.cpp on the F32 and Q8_0 GGUFs llama_peer writes
+from it (`matched_gguf`) and on the Q4_1 file itself. Each at batch 1 and 4
+(4 concurrent requests, 4 prompts), one after the other (never two at once),
+`--threads` each.
 
 - decode: `--prompt-tokens` of held-out code (pip's sources), `--tokens`
   greedy, never stopping early (completer: no stop ids, `free` mode; llama.cpp:
@@ -51,7 +51,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llama_peer  # noqa: E402
-from engine_bench import cases, median  # noqa: E402
+from engine_bench import median  # noqa: E402
 from reliability import machine, now  # noqa: E402
 from replay import prompt_states  # noqa: E402
 
@@ -60,10 +60,10 @@ from completer.engine.config import EngineConfig, SpecConfig  # noqa: E402
 from completer.engine.core import EngineCore  # noqa: E402
 from completer.engine.engine import Engine, run_in_passing_thread  # noqa: E402
 from completer.engine.request import Request, SamplingParams, Timings  # noqa: E402
-from completer.evaluate import heldout_files  # noqa: E402
+from completer.evaluate import heldout_files, line_starts  # noqa: E402
 from completer.loading import load  # noqa: E402
 from completer.model_store import resolve_draft, resolve_target  # noqa: E402
-from completer.pipeline import display_path  # noqa: E402
+from completer.pipeline import SUFFIX_FOR_TRIMMING, display_path  # noqa: E402
 
 COMPLETER_ROWS = {  # name: (precision, fuse, compile)
     "fp32": ("fp32", True, False), "fp32_unfused": ("fp32", False, False), "fp32_compiled": ("fp32", True, True),
@@ -158,7 +158,7 @@ async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict
     path = resolve_target("default")
     target = run_in_passing_thread(lambda: load(path, precision, fuse=fuse))
     draft_path = resolve_draft("default", path)
-    draft = run_in_passing_thread(lambda: load(draft_path, precision, target=target, fuse=fuse)) if draft_path else None
+    draft = draft_path and run_in_passing_thread(lambda: load(draft_path, precision, target=target, fuse=fuse))
     nbytes, threads = weight_bytes(target.model), dict(threads=args.threads, decode_threads=args.threads)
     extra = {"compile": compiled} if HAS_COMPILE else {}  # on by default: off for the other rows
     # No stop ids: decode runs to max_tokens whatever it writes (`free` mode ends nowhere else).
@@ -184,10 +184,9 @@ async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict
     engine.start()
     times, tokens = [], []
     try:
-        for i, (before, after, doc) in enumerate(keys):
+        for i, (before, after, cursor_line, suffix) in enumerate(keys):
             await ask(engine, f"prev{i}", before, 1, "line")
-            cursor_line = doc.prefix[doc.prefix.rfind("\n") + 1:]
-            t = await ask(engine, f"key{i}", after, 64, "line", cursor_line=cursor_line, suffix=doc.suffix[:200])
+            t = await ask(engine, f"key{i}", after, 64, "line", cursor_line=cursor_line, suffix=suffix)
             if i:  # the first is a warm-up
                 times.append(t.total_ms)
                 tokens.append(t.generated_tokens)
@@ -235,7 +234,7 @@ async def llama_row(name: str, args, prompts, keys) -> tuple[list[Row], dict]:
                 if b != 1:
                     continue
                 times, tokens = [], []
-                for i, (before, after, _) in enumerate(keys):
+                for i, (before, after, *_) in enumerate(keys):
                     await post(session, url, before, n_predict=1, cache_prompt=True)
                     started = time.perf_counter()
                     d = await post(session, url, after, n_predict=64, cache_prompt=True, stop=["\n"])
@@ -252,18 +251,21 @@ async def llama_row(name: str, args, prompts, keys) -> tuple[list[Row], dict]:
 def inputs(args) -> tuple[dict, list]:
     """Decode prompts (`warm`, then per batch a group of that many per repetition:
     consecutive, disjoint slices of pip's sources) and keystroke cases as
-    (prompt before the last char, prompt, document)."""
-    builder = prompt_states("default", CONTEXT, 64)().builder
+    (prompt before the last char, prompt, the cursor's line, suffix)."""
+    builder, files = prompt_states("default", CONTEXT, 64)().builder, heldout_files()[1]
     need = (max(BATCHES) + args.reps * sum(BATCHES)) * args.prompt_tokens
-    ids = builder.tok.encode("".join(f.text for f in heldout_files()[1])[: 8 * need])  # code: ~4 chars a token
+    ids = builder.tok.encode("".join(f.text for f in files)[: 8 * need])  # code: ~4 chars a token
     chunks = iter(ids[i: i + args.prompt_tokens] for i in range(0, need, args.prompt_tokens))
     prompts = {"warm": [next(chunks) for _ in range(max(BATCHES))]}
     for b in BATCHES:
         prompts[b] = [[next(chunks) for _ in range(b)] for _ in range(args.reps)]
     keys = []
-    for d in cases(args.cases + 1, args.seed):
-        build = lambda prefix: builder.build(prefix, d.suffix, display_path(d.uri)).tokens  # noqa: E731
-        keys.append((build(d.prefix[:-1]), build(d.prefix), d))
+    # Cursors inside a line's text (the rest of the line to write): a line start's
+    # prompt ends in indentation, after which llama.cpp's "\n" stop often ends at once.
+    for f, cursor, end in line_starts(files, args.cases + 1, args.seed, mid_line=True):
+        prefix, suffix, path = f.text[:cursor], f.text[end:], display_path(Path("/", f.path).as_uri())
+        keys.append((builder.build(prefix[:-1], suffix, path).tokens, builder.build(prefix, suffix, path).tokens,
+                     prefix[prefix.rfind("\n") + 1:], suffix[:SUFFIX_FOR_TRIMMING]))
     return prompts, keys
 
 

@@ -1,9 +1,11 @@
-"""FP8 against bf16 on held-out code (pip's sources), for the default target
-and drafter: top-1 agreement, bits per byte, drafter acceptance, first-line
-exact match. On CPU the FP8 path is the emulation (same numerics as the GPU
-kernels: per-channel weight scales, per-token activation scales).
+"""A quantized precision against its full-precision baseline on held-out code
+(pip's sources), for the default target and drafter: top-1 agreement, bits
+per byte, drafter acceptance, first-line exact match. By default FP8 against
+bf16; on CPU the FP8 path is the emulation (same numerics as the GPU kernels:
+per-channel weight scales, per-token activation scales).
 
     python latency_bench/fp8_quality.py --out bench-results/fp8_quality.json
+    python latency_bench/fp8_quality.py --baseline fp32 --quantized int8   # the CPU precisions
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class WhatIfLinear(nn.Module):
 
 
 def what_if(directory: Path, round_input, round_weight) -> LoadedModel:
-    loaded = load(directory, "bf16")
+    loaded = load(directory, "bf16", fuse=False)  # HF's seven projections, each rounded its own way
     for module in list(loaded.model.modules()):
         for name in LINEAR_NAMES:
             child = getattr(module, name, None)
@@ -105,14 +107,17 @@ def main() -> int:
     p.add_argument("--what-if", action="store_true",
                    help="also: the target's agreement with only weights or only activations in e4m3, "
                         "and with 3, 4 and 5 mantissa bits in both")
+    p.add_argument("--baseline", default="bf16", help="the precision compared against")
+    p.add_argument("--quantized", default="fp8", help="fp8, or on CPU int8 / int4")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    base, quant = args.baseline, args.quantized
 
     _, files = heldout_files()
     picks = line_starts(files, args.lines, args.seed)
     report: dict = {}
     models = {}
-    for precision in ("bf16", "fp8"):
+    for precision in (base, quant):
         target, draft = load_models(args.target, args.draft, precision)
         models[precision] = (target, draft)
         report |= {"target": target.name, "draft": draft.name if draft else None}
@@ -125,25 +130,26 @@ def main() -> int:
                 "draft_bits_per_byte": bits_per_byte(draft, files, args.chunks, args.context_tokens, args.seed),
                 "draft_acceptance": draft_acceptance(target, draft, picks[: args.accept_prompts],
                                                      args.context_tokens, 4)[0]}
-    args.target = models["bf16"][0].directory  # the resolved path, for the loads below
-    for i, name in enumerate(("target", "draft")[: 2 if models["bf16"][1] else 1]):
-        report[f"{name}_top1_agreement"] = top1_agreement(models["bf16"][i], models["fp8"][i], files,
+    args.target = models[base][0].directory  # the resolved path, for the loads below
+    for i, name in enumerate(("target", "draft")[: 2 if models[base][1] else 1]):
+        report[f"{name}_top1_agreement"] = top1_agreement(models[base][i], models[quant][i], files,
                                                           args.chunks, args.context_tokens, args.seed)
     # The metric's floor on these models: one bf16 rounding alone (fp32 vs bf16).
-    fp32 = load(args.target, "fp32")
+    fp32 = models["fp32"][0] if "fp32" in models else load(args.target, "fp32")
+    bf16 = models["bf16"][0] if "bf16" in models else load(args.target, "bf16")
     report["target_top1_agreement_fp32_vs_bf16"] = top1_agreement(
-        fp32, models["bf16"][0], files, args.chunks, args.context_tokens, args.seed)
+        fp32, bf16, files, args.chunks, args.context_tokens, args.seed)
     if args.by_projection:  # where the disagreement comes from
         report["target_top1_agreement_one_projection"] = {
-            name: top1_agreement(models["bf16"][0], with_fp8(load(args.target, "bf16"), name), files,
+            name: top1_agreement(models[base][0], with_fp8(load(args.target, "bf16", fuse=False), name), files,
                                  args.chunks, args.context_tokens, args.seed) for name in LINEAR_NAMES}
     if args.what_if:  # which operand, and how many mantissa bits the bar would take
         report["target_top1_agreement_what_if"] = {
-            name: top1_agreement(models["bf16"][0], what_if(args.target, *rounding), files,
+            name: top1_agreement(models[base][0], what_if(args.target, *rounding), files,
                                  args.chunks, args.context_tokens, args.seed)
             for name, rounding in WHAT_IF.items()}
-    b, f = report["bf16"], report["fp8"]
-    print(f"{'':24}{'bf16':>10}{'fp8':>10}")
+    b, f = report[base], report[quant]
+    print(f"{'':24}{base:>10}{quant:>10}")
     for key in ("target_bits_per_byte", "draft_bits_per_byte"):
         if key in b:
             print(f"{key:24}{b[key]:>10.3f}{f[key]:>10.3f}")
@@ -151,7 +157,7 @@ def main() -> int:
         if key in b:
             print(f"{key:24}{b[key]:>10.1%}{f[key]:>10.1%}")
     drafter = f", draft {report['draft_top1_agreement']:.2%}" if report["draft"] else ""
-    print(f"top-1 agreement fp8 vs bf16: target {report['target_top1_agreement']:.2%}{drafter} "
+    print(f"top-1 agreement {quant} vs {base}: target {report['target_top1_agreement']:.2%}{drafter} "
           f"(for scale, bf16 vs fp32 on the target: {report['target_top1_agreement_fp32_vs_bf16']:.2%})")
     for name, agreement in report.get("target_top1_agreement_one_projection", {}).items():
         print(f"top-1 agreement with only {name} in FP8: {agreement:.2%}")

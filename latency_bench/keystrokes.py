@@ -21,6 +21,8 @@ from pathlib import Path
 
 import msgspec
 
+from completer.training.corpus import pip_sources
+
 KEY_GAP_S = 0.16  # median gap between keys of a word (~75 words a minute)
 LINE_PAUSE_S = (0.4, 2.0)  # thinking before a new line, uniform
 TYPO_P = 0.02  # a wrong key, seen and erased with a backspace
@@ -55,8 +57,8 @@ def corpus_files(root: Path | None = None) -> tuple[str, list[tuple[str, str]]]:
     """(description, [(path, text)]) of Python files of 2-60 KB under `root`;
     by default the installed pip's sources."""
     if root is None:
-        import pip
-        root, name = Path(pip.__file__).parent, f"pip {pip.__version__} sources"
+        root, version = pip_sources()
+        name = f"pip {version} sources"
     else:
         name = str(root)
     files = []

@@ -8,7 +8,7 @@ one index every machine here reaches) and writes GGUFs of completer's default
 model at the precision completer resolves to (`model.precision`).
 
     python latency_bench/llama_peer.py build [--version V] [--jobs 2]
-    python latency_bench/llama_peer.py gguf --type f32|f16|bf16 [--source P] [--out P]
+    python latency_bench/llama_peer.py gguf --type f32|f16|bf16|q8_0 [--source P] [--out P]
 
 The bench imports `server_binary`, `matched_gguf` and `llama_server`; importing
 this needs neither torch nor gguf/numpy.
@@ -138,8 +138,9 @@ def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
 
 # ---------------------------------------------------------------- weights
 
-_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}
-_FOR_PRECISION = {"fp32": "f32", "bf16": "bf16"}  # fp8 (W8A8) has no GGUF twin
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# fp8 (W8A8) has no GGUF twin; int4 is the source file itself (Q4_1).
+_FOR_PRECISION = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
 
 
 def default_gguf_path(type_: str, source: Path | None = None) -> Path:
@@ -149,7 +150,7 @@ def default_gguf_path(type_: str, source: Path | None = None) -> Path:
 
 
 def write_gguf(type_: str, source: Path | None = None, out: Path | None = None) -> Path:
-    """The source's weights, dequantized, stored as `type_` (f32, f16, bf16)."""
+    """The source's weights, dequantized, stored as `type_` (f32, f16, bf16, q8_0)."""
     source = Path(source) if source else pull()
     out = Path(out) if out else default_gguf_path(type_, source)
     if out.is_file() and out.stat().st_mtime > source.stat().st_mtime:
@@ -175,9 +176,8 @@ def write_gguf(type_: str, source: Path | None = None, out: Path | None = None) 
         weights = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         # 1-D tensors (the norms) stay f32, as llama.cpp's converter keeps them.
         kind = qtype if weights.ndim > 1 else gguf.GGMLQuantizationType.F32
-        # numpy has no bf16: its bytes go in raw, typed by raw_dtype.
-        writer.add_tensor(t.name, gguf.quants.quantize(weights, kind),
-                          raw_dtype=kind if kind == gguf.GGMLQuantizationType.BF16 else None)
+        # bf16 and quantized blocks are raw bytes to numpy, typed by raw_dtype.
+        writer.add_tensor(t.name, gguf.quants.quantize(weights, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -187,8 +187,8 @@ def write_gguf(type_: str, source: Path | None = None, out: Path | None = None) 
 
 
 def matched_gguf(precision: str) -> Path:
-    """The default model at completer's resolved precision ("fp32", "bf16"),
-    written on first use (seconds)."""
+    """The default model at completer's resolved precision ("fp32", "bf16",
+    "int8"; "int4" is the default file, Q4_1), written on first use (seconds)."""
     if precision not in _FOR_PRECISION:
         raise ValueError(f"no llama.cpp GGUF matches completer's precision {precision!r} "
                          f"(only {', '.join(_FOR_PRECISION)})")

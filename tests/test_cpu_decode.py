@@ -105,3 +105,13 @@ def test_int8_and_int4_models_mostly_agree_with_fp32(eager_unfused):
 def test_int8_on_cuda_fails_at_load_naming_the_precision():
     with pytest.raises(CheckpointError, match="int8.*CPU only"):
         load(EMBEDDED_TARGET, "int8", device="cuda")
+
+
+def test_a_failing_compile_leaves_the_engine_eager_and_serving(eager_unfused, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    fast = load(EMBEDDED_TARGET, "fp32")
+    assert greedy_text(fast, compile=True) == greedy_text(eager_unfused, compile=False)
+    assert not fast.model.compiled
+    assert "torch.compile failed, passes run eager: no C++ compiler" in caplog.text

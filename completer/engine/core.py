@@ -141,9 +141,15 @@ class EngineCore:
             return
         log.info("engine: compiling the decode and verify passes (torch.compile; engine.compile=false skips)")
         started = time.perf_counter()
-        for role, runner in runners.items():
-            runner.model.compile_layers()
-            time_passes(runner, self.kv.pools[role], 1, [1, 2], 16, 1)
+        try:
+            for role, runner in runners.items():
+                runner.model.compile_layers()
+                time_passes(runner, self.kv.pools[role], 1, [1, 2], 16, 1)
+        except Exception as e:  # no C++ compiler, a torch bug: slower, never down
+            for runner in runners.values():
+                runner.model.eager_layers()
+            log.warning("engine: torch.compile failed, passes run eager: %s", str(e).strip().splitlines()[0])
+            return
         log.info("engine: passes compiled in %.1f s", time.perf_counter() - started)
 
     def calibrate(self, context: int = 256, reps: int = 3, batches: tuple[int, ...] = (1, 4)) -> None:

@@ -3,6 +3,8 @@ library, in sorted order, so the corpus is reproducible from the Python version.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import sysconfig
 from pathlib import Path
 
@@ -37,3 +39,13 @@ def read_python_files(root: Path, exclude_dirs: tuple[str, ...] = ()) -> list[So
 def stdlib_corpus() -> list[SourceFile]:
     # site-packages holds third-party code (and our evaluation set), not stdlib.
     return read_python_files(stdlib_root(), exclude_dirs=("site-packages", "__pycache__"))
+
+
+def pip_sources() -> tuple[Path, str]:
+    """The installed pip's package directory and version, found without
+    importing pip: once pip is imported, setuptools (which torch.compile's
+    C++ build imports) fails its distutils check."""
+    spec = importlib.util.find_spec("pip")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the held-out code is pip's sources, and pip is not installed")
+    return Path(spec.origin).parent, importlib.metadata.version("pip")
