@@ -21,7 +21,9 @@ too).
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -35,7 +37,8 @@ INT4_GROUP = 32  # Q4_1's block
 # fbgemm's packed weights are a TorchScript object, which torch.compile cannot
 # trace: the GEMM is a custom op that finds them through a tensor handle (an
 # int argument would be a constant, one graph per layer).
-_PACKED: list = []
+_PACKED: dict[int, object] = {}  # handle -> packed weights, while their layer lives
+_handles = itertools.count()
 
 
 @torch.library.custom_op("completer::int8_linear", mutates_args=())
@@ -68,8 +71,9 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # quantized tensors are deprecated; their fbgemm kernels are not
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-        _PACKED.append(torch.ops.quantized.linear_prepack(qw, None))
-        self.index = len(_PACKED) - 1
+        self.index = next(_handles)
+        _PACKED[self.index] = torch.ops.quantized.linear_prepack(qw, None)
+        weakref.finalize(self, _PACKED.pop, self.index, None)
         self.register_buffer("handle", torch.full((self.out_features,), self.index, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         # A last row holding -1 and 1 pins fbgemm's range to [-1, 1] whatever
@@ -107,7 +111,11 @@ def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Te
 
 
 class Int4Linear(nn.Module):
-    """y = x @ (q * scale + minimum).T + bias, from packed 4-bit weights."""
+    """y = x @ (q * scale + minimum).T + bias, from packed 4-bit weights.
+    Past `GEMV_ROWS` rows (prefill) the weights are unpacked to fp32 for one
+    GEMM: torch's int4 kernel is a GEMV loop, hundreds of times slower there."""
+
+    GEMV_ROWS = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
@@ -121,10 +129,21 @@ class Int4Linear(nn.Module):
         zero = low + 8 * scale
         self.register_buffer("scales_and_zeros", torch.stack((scale, zero), -1).transpose(0, 1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # The same weights as plain nibbles (the kernel's packing is its own): for prefill.
+        self.register_buffer("nibbles", (q[:, 1::2] << 4 | q[:, ::2]).to(torch.uint8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("low", low)
+
+    def dequantized(self) -> torch.Tensor:
+        q = torch.stack((self.nibbles & 15, self.nibbles >> 4), -1).view(self.out_features, -1, self.group)
+        return (q.float() * self.scale[..., None] + self.low[..., None]).view(self.out_features, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).float(), self.packed, self.group,
-                                              self.scales_and_zeros)
+        x2 = x.reshape(-1, self.in_features).float()
+        if x2.shape[0] > self.GEMV_ROWS:
+            y = x2 @ self.dequantized().T
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

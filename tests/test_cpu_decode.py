@@ -87,8 +87,11 @@ def test_int4_linear_reproduces_q4_1_weights_and_refuses_other_widths():
     q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as Q4_1's quantizer makes it
     scale, low = torch.rand(N, K // INT4_GROUP, 1) * 0.1, torch.randn(N, K // INT4_GROUP, 1)
     w = (q * scale + low).view(N, K)
-    x = torch.randn(3, K)
-    torch.testing.assert_close(Int4Linear(w, None)(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    layer = Int4Linear(w, None)
+    torch.testing.assert_close(layer.dequantized(), w, atol=1e-5, rtol=1e-5)
+    for rows in (3, Int4Linear.GEMV_ROWS + 1):  # torch's int4 kernel; unpacked for prefill
+        x = torch.randn(rows, K)
+        torch.testing.assert_close(layer(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="multiple of the group"):
         Int4Linear(torch.randn(8, 40), None)
 
@@ -115,3 +118,14 @@ def test_a_failing_compile_leaves_the_engine_eager_and_serving(eager_unfused, mo
     assert greedy_text(fast, compile=True) == greedy_text(eager_unfused, compile=False)
     assert not fast.model.compiled
     assert "torch.compile failed, passes run eager: no C++ compiler" in caplog.text
+
+
+def test_reading_the_held_out_code_leaves_torch_compile_able_to_build():
+    """Finding pip through the import system turns setuptools' distutils shim
+    off, and inductor's C++ build imports setuptools."""
+    import subprocess
+    import sys
+    code = ("from completer.evaluate import heldout_files; heldout_files(); "
+            "import torch.utils.cpp_extension")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -149,6 +149,7 @@ class EngineCore:
             for runner in runners.values():
                 runner.model.eager_layers()
             log.warning("engine: torch.compile failed, passes run eager: %s", str(e).strip().splitlines()[0])
+            log.debug("engine: the compile failure", exc_info=True)
             return
         log.info("engine: passes compiled in %.1f s", time.perf_counter() - started)
 

@@ -4,7 +4,6 @@ library, in sorted order, so the corpus is reproducible from the Python version.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import sysconfig
 from pathlib import Path
 
@@ -42,10 +41,12 @@ def stdlib_corpus() -> list[SourceFile]:
 
 
 def pip_sources() -> tuple[Path, str]:
-    """The installed pip's package directory and version, found without
-    importing pip: once pip is imported, setuptools (which torch.compile's
-    C++ build imports) fails its distutils check."""
-    spec = importlib.util.find_spec("pip")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the held-out code is pip's sources, and pip is not installed")
-    return Path(spec.origin).parent, importlib.metadata.version("pip")
+    """The installed pip's package directory and version, from its metadata:
+    importing pip, or even finding it through the import system, makes
+    setuptools' distutils shim stand down for good (its rule for pip), and
+    torch.compile's C++ build, which imports setuptools, then fails."""
+    try:
+        dist = importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("the held-out code is pip's sources, and pip is not installed") from None
+    return Path(dist.locate_file("pip")), dist.version
