@@ -6,6 +6,7 @@ calibrates at start, which decide how far it speculates.
     python latency_bench/decode_profile.py --out docs/results/decode_profile.txt   # the embedded models
     python latency_bench/decode_profile.py --model default --width 6   # SmolLM2 and its drafter; a
                                                                        # keystroke's pass of 6 new tokens
+    python latency_bench/decode_profile.py --model default --precision int8 --compile --batch 4
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from completer.loading import LoadedModel, load_models
 
 
 def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int,
-                   width: int = 1, batch: int = 1) -> str:
+                   width: int = 1, batch: int = 1, compiled: bool = False) -> str:
     torch.set_num_threads(threads)
+    if compiled:
+        loaded.model.compile_layers()
     per_row = -(-(context + width) // 16)
     blocks = batch * per_row + 8
     runner = ModelRunner(loaded.model, KVPool(loaded.model.config, blocks, 16))
@@ -56,8 +59,8 @@ def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, thr
             f"({steps} passes)\n{table}\n")
 
 
-async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int) -> str:
-    engine = Engine.build(target, draft, EngineConfig(threads=threads))
+async def pass_costs(target: LoadedModel, draft: LoadedModel, threads: int, compiled: bool) -> str:
+    engine = Engine.build(target, draft, EngineConfig(threads=threads, compile=compiled))
     engine.start()  # calibrates
     engine.stop()
     costs = engine.core.policy.costs
@@ -78,6 +81,7 @@ def main() -> int:
     p.add_argument("--precision", default="auto")
     p.add_argument("--width", type=int, default=1, help="new tokens per profiled pass")
     p.add_argument("--batch", type=int, default=1, help="sequences per profiled pass")
+    p.add_argument("--compile", action="store_true", help="the layers compiled, as engine.compile does")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=30)
@@ -86,11 +90,12 @@ def main() -> int:
     args = p.parse_args()
     target, draft = run_in_passing_thread(load_models, args.model, "default", args.precision)
     out = io.StringIO()
-    out.write(f"precision {target.precision}, {args.threads} threads\n\n")
+    out.write(f"precision {target.precision}, {args.threads} threads, "
+              f"{'compiled' if args.compile else 'eager'}\n\n")
     for loaded in (target, draft):  # on a thread that ends, as the engine's torch work wants
         out.write(run_in_passing_thread(operator_table, loaded, args.context, args.steps, args.rows,
-                                        args.threads, args.width, args.batch))
-    out.write(asyncio.run(pass_costs(target, draft, args.threads)))
+                                        args.threads, args.width, args.batch, args.compile))
+    out.write(asyncio.run(pass_costs(target, draft, args.threads, args.compile)))
     print(out.getvalue())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
