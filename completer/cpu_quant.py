@@ -12,7 +12,9 @@ bytes moved: int8 moves a quarter of fp32's, int4 an eighth.
 - `Int4Linear`: 4-bit weights in groups of 32 along the input, each group
   with a scale and a minimum: GGUF's Q4_1 layout, so a Q4_1 file's weights
   come back exactly. Run by torch's packed CPU kernel
-  (`_weight_int4pack_mm_for_cpu`) with fp32 activations.
+  (`_weight_int4pack_mm_for_cpu`) with bf16 activations where the CPU has
+  native bf16 (its AVX512 path: measured 20-60x faster than with fp32
+  activations on a Xeon with AMX), fp32 elsewhere.
 
 Embeddings, norms, attention and the KV cache stay fp32. The output head is
 int8 in both (a fifth of a small model's bytes; a Q4_1 GGUF keeps it Q8_0
@@ -119,6 +121,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
+        self.compute_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
         self.out_features, self.in_features = weight.shape
         if self.in_features % group:
             raise ValueError(f"int4: input width {self.in_features} is not a multiple of the group {group}")
@@ -127,7 +130,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         # torch's kernel computes (q - 8) * scale + zero: zero is the group's middle.
         zero = low + 8 * scale
-        self.register_buffer("scales_and_zeros", torch.stack((scale, zero), -1).transpose(0, 1).contiguous())
+        self.register_buffer("scales_and_zeros",
+                             torch.stack((scale, zero), -1).transpose(0, 1).contiguous().to(self.compute_dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         # The same weights as plain nibbles (the kernel's packing is its own): for prefill.
         self.register_buffer("nibbles", (q[:, 1::2] << 4 | q[:, ::2]).to(torch.uint8))
@@ -143,7 +147,8 @@ class Int4Linear(nn.Module):
         if x2.shape[0] > self.GEMV_ROWS:
             y = x2 @ self.dequantized().T
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(self.compute_dtype), self.packed, self.group,
+                                                  self.scales_and_zeros).float()
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

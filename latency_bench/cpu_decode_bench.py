@@ -6,10 +6,12 @@ precision, side by side in one run. Prints a table; writes JSON.
     python latency_bench/cpu_decode_bench.py           # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
     python latency_bench/cpu_decode_bench.py --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 
-Rows: completer at fp32 (fused q/k/v and gate/up; `fp32_unfused`; `*_compiled`
-with `engine.compile`, the others without), int8, int4, each a fresh load of
-the default Q4_1 GGUF; llama.cpp on the F32 and Q8_0 GGUFs llama_peer writes
-from it (`matched_gguf`) and on the Q4_1 file itself. Each at batch 1 and 4
+Rows: completer at fp32 and bf16 (fused q/k/v and gate/up; `*_unfused`;
+`*_compiled` with `engine.compile`, the others without), int8, int4, each a
+fresh load of the default Q4_1 GGUF; llama.cpp on the F32, BF16 and Q8_0 GGUFs
+llama_peer writes from it (`matched_gguf`) and on the Q4_1 file itself. By
+default the unquantized rows are those of the precision `auto` picks on this
+CPU (bf16 where native, else fp32). Each at batch 1 and 4
 (4 concurrent requests, 4 prompts), one after the other (never two at once),
 `--threads` each.
 
@@ -62,19 +64,22 @@ from completer.engine.engine import Engine, run_in_passing_thread  # noqa: E402
 from completer.engine.request import Request, SamplingParams, Timings  # noqa: E402
 from completer.evaluate import heldout_files, line_starts  # noqa: E402
 from completer.loading import load  # noqa: E402
+from completer.checkpoint import resolve_precision  # noqa: E402
 from completer.model_store import resolve_draft, resolve_target  # noqa: E402
 from completer.pipeline import SUFFIX_FOR_TRIMMING, display_path  # noqa: E402
 
 COMPLETER_ROWS = {  # name: (precision, fuse, compile)
     "fp32": ("fp32", True, False), "fp32_unfused": ("fp32", False, False), "fp32_compiled": ("fp32", True, True),
-    "int8": ("int8", True, False), "int8_compiled": ("int8", True, True), "int4": ("int4", True, False)}
+    "bf16": ("bf16", True, False), "bf16_unfused": ("bf16", False, False), "bf16_compiled": ("bf16", True, True),
+    "int8": ("int8", True, False), "int8_compiled": ("int8", True, True),
+    "int4": ("int4", True, False), "int4_compiled": ("int4", True, True)}
 LLAMA_ROWS = {  # name: (completer's precision it matches, its GGUF)
     "llama_f32": ("fp32", lambda: llama_peer.matched_gguf("fp32")),
+    "llama_bf16": ("bf16", lambda: llama_peer.matched_gguf("bf16")),
     "llama_q8_0": ("int8", lambda: llama_peer.matched_gguf("int8")),
     "llama_q4_1": ("int4", lambda: resolve_target("default"))}
 BATCHES = (1, 4)
 CONTEXT = 1024  # completer's default window; a llama.cpp slot's context
-HAS_COMPILE = "compile" in EngineConfig.__struct_fields__
 say = Console(stderr=True, log_path=False).log
 
 
@@ -160,7 +165,7 @@ async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict
     draft_path = resolve_draft("default", path)
     draft = draft_path and run_in_passing_thread(lambda: load(draft_path, precision, target=target, fuse=fuse))
     nbytes, threads = weight_bytes(target.model), dict(threads=args.threads, decode_threads=args.threads)
-    extra = {"compile": compiled} if HAS_COMPILE else {}  # on by default: off for the other rows
+    extra = {"compile": compiled}  # on by default: off for the other rows
     # No stop ids: decode runs to max_tokens whatever it writes (`free` mode ends nowhere else).
     config = EngineConfig(prefix_cache=False, kv_cache_mb=512, max_running=8, prefill_chunk=max(BATCHES) *
                           args.prompt_tokens, **threads, **extra)
@@ -269,15 +274,31 @@ def inputs(args) -> tuple[dict, list]:
     return prompts, keys
 
 
+def default_rows() -> list[str]:
+    """The unquantized rows at the precision `auto` picks here (bf16 where the
+    CPU computes in it natively, else fp32), the quantized ones, llama.cpp's."""
+    wide = resolve_precision("auto")
+    return ([n for n, (p, _, _) in COMPLETER_ROWS.items() if p in (wide, "int8", "int4")] +
+            [n for n, (p, _) in LLAMA_ROWS.items() if p in (wide, "int8", "int4")])
+
+
 def aims(rows: list[Row]) -> list[str]:
     by = {(r.row, r.batch): r for r in rows}
     out = []
-    for ours, theirs in (("int8", "llama_q8_0"), ("int4", "llama_q4_1"), ("fp32", "llama_f32")):
-        if (ours, 1) in by and (theirs, 1) in by:
-            a, b = by[ours, 1].decode_tok_s, by[theirs, 1].decode_tok_s
-            out.append(f"decode tok/s batch 1: {ours} {a:.1f} vs {theirs} {b:.1f} ({a / b:.2f}x)")
+    for ours, theirs in (("int8", "llama_q8_0"), ("int4", "llama_q4_1"), ("bf16", "llama_bf16"),
+                         ("fp32", "llama_f32")):
+        for name in (ours, f"{ours}_compiled"):
+            if (name, 1) in by and (theirs, 1) in by:
+                a, b = by[name, 1].decode_tok_s, by[theirs, 1].decode_tok_s
+                out.append(f"decode tok/s batch 1: {name} {a:.1f} vs {theirs} {b:.1f} ({a / b:.2f}x; "
+                           f"aim >= 1: {'met' if a >= b else 'missed'})")
+    for name in ("bf16", "bf16_compiled"):
+        if (name, 1) in by:
+            r = by[name, 1]
+            out.append(f"{name} batch 1: {r.ms_per_token:.1f} ms/token, {r.ratio_to_floor:.2f}x its weight-streaming "
+                       f"floor of {r.floor_ms:.1f} ms (aim <= 1.5x: {'met' if r.ratio_to_floor <= 1.5 else 'missed'})")
     lines = {r.row: r.line_ms for r in rows if r.line_ms is not None}
-    ours = {k: v for k, v in lines.items() if k in ("fp32", "int8")}
+    ours = {k: v for k, v in lines.items() if k in ("fp32", "bf16", "int8", "int4")}
     theirs = {k: v for k, v in lines.items() if k.startswith("llama")}
     if ours and theirs:
         best = min(theirs, key=theirs.get)
@@ -293,10 +314,6 @@ async def main_async(args) -> dict:
     prompts, keys = inputs(args)
     rows, about, skipped = [], {}, {}
     for name in args.rows:
-        if name in COMPLETER_ROWS and COMPLETER_ROWS[name][2] and not HAS_COMPILE:
-            skipped[name] = "EngineConfig has no `compile` field yet"
-            say(f"{name}: skipped ({skipped[name]})")
-            continue
         say(f"{name} ...")
         try:
             made, about[name] = await (completer_row if name in COMPLETER_ROWS else llama_row)(name, args, prompts,
@@ -313,8 +330,8 @@ async def main_async(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", nargs="+", choices=[*COMPLETER_ROWS, *LLAMA_ROWS],
-                   default=[*COMPLETER_ROWS, *LLAMA_ROWS])
+    p.add_argument("--rows", nargs="+", choices=[*COMPLETER_ROWS, *LLAMA_ROWS], default=default_rows(),
+                   help="default: the rows of this CPU's `auto` precision (bf16 or fp32), int8, int4, llama.cpp's")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=860)
     p.add_argument("--tokens", type=int, default=64, help="generated per decode request")
