@@ -248,7 +248,8 @@ async def llama_row(name: str, args, prompts, keys) -> tuple[list[Row], dict]:
                         tokens.append(d["timings"]["predicted_n"])
                 rows[0].line_ms, rows[0].line_tokens = median(times), median(tokens)
                 say(f"{name} keystroke line: {rows[0].line_ms:.1f} ms")
-    return rows, {"gguf": gguf.name, "version": llama_peer.DEFAULT_VERSION}
+    return rows, {"gguf": gguf.name, "version": llama_peer.DEFAULT_VERSION,
+                  "repack": gguf not in llama_peer.STARTED_WITHOUT_REPACK}
 
 
 # -- the run ------------------------------------------------------------------------
@@ -298,7 +299,7 @@ def aims(rows: list[Row]) -> list[str]:
             out.append(f"{name} batch 1: {r.ms_per_token:.1f} ms/token, {r.ratio_to_floor:.2f}x its weight-streaming "
                        f"floor of {r.floor_ms:.1f} ms (aim <= 1.5x: {'met' if r.ratio_to_floor <= 1.5 else 'missed'})")
     lines = {r.row: r.line_ms for r in rows if r.line_ms is not None}
-    ours = {k: v for k, v in lines.items() if k in ("fp32", "bf16", "int8", "int4")}
+    ours = {k: v for k, v in lines.items() if k in COMPLETER_ROWS and "unfused" not in k}
     theirs = {k: v for k, v in lines.items() if k.startswith("llama")}
     if ours and theirs:
         best = min(theirs, key=theirs.get)

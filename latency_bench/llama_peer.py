@@ -219,22 +219,37 @@ def server_command(binary: Path, gguf: Path, *, port: int, threads: int, paralle
     return cmd + list(extra)
 
 
+# GGUFs whose server crashed while repacking weights for this CPU's kernels
+# (seen: Q8_0 and Q4_1 on a Xeon with AMX, where the BF16 file starts fine)
+# and that therefore run with --no-repack: a benchmark reports it.
+STARTED_WITHOUT_REPACK: set[Path] = set()
+
+
 @contextlib.contextmanager
 def llama_server(gguf: Path, *, port: int, threads: int, parallel: int, ctx_per_slot: int,
                  extra: tuple[str, ...] = (), version: str = DEFAULT_VERSION,
                  log: Path | None = None, timeout: float = 120.0):
-    """llama-server on `gguf` while the block runs; yields its base URL."""
-    cmd = server_command(server_binary(version), gguf, port=port, threads=threads,
-                         parallel=parallel, ctx_per_slot=ctx_per_slot, extra=extra)
+    """llama-server on `gguf` while the block runs; yields its base URL. If it
+    dies of a signal while loading, it is started once more with --no-repack."""
+    binary = server_binary(version)
+    if gguf in STARTED_WITHOUT_REPACK:
+        extra = (*extra, "--no-repack")
     log = log or build_root(version) / "logs" / f"server-{port}.log"
     url = f"http://127.0.0.1:{port}"
-    # Its output goes straight to a file, not a pipe that someone must drain:
-    # a full pipe would stall the server mid-request.
-    with log.open("w") as out:
-        print(" ".join(cmd), file=out, flush=True)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = _start(server_command(binary, gguf, port=port, threads=threads, parallel=parallel,
+                                 ctx_per_slot=ctx_per_slot, extra=extra), log)
     try:
-        _wait_healthy(proc, url, log, timeout)
+        try:
+            _wait_healthy(proc, url, log, timeout)
+        except RuntimeError:
+            if proc.returncode >= 0 or "--no-repack" in extra or "--no-repack" not in _help(binary):
+                raise
+            _say(f"llama-server died of signal {-proc.returncode} loading {gguf.name}; again with --no-repack")
+            STARTED_WITHOUT_REPACK.add(gguf)
+            extra = (*extra, "--no-repack")
+            proc = _start(server_command(binary, gguf, port=port, threads=threads, parallel=parallel,
+                                         ctx_per_slot=ctx_per_slot, extra=extra), log)
+            _wait_healthy(proc, url, log, timeout)
         yield url
     finally:
         proc.terminate()
@@ -243,6 +258,14 @@ def llama_server(gguf: Path, *, port: int, threads: int, parallel: int, ctx_per_
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    # Its output goes straight to a file, not a pipe that someone must drain:
+    # a full pipe would stall the server mid-request.
+    with log.open("w") as out:
+        print(" ".join(cmd), file=out, flush=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

@@ -21,7 +21,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch_prefill: bool = True  # prefill chunks of similar length in one padded pass (else one pass each)
     paged_attention: Literal["auto", "torch", "triton"] = "auto"  # decode/verify attention; auto: triton on CUDA
     cuda_graphs: bool = True  # replay plain decode steps as CUDA graphs (with the triton kernel, on CUDA)
-    compile: bool = True  # on CPU: torch.compile the layers' dense halves at start (fuses a pass's small ops)
+    # On CPU: torch.compile the layers' dense halves at start. Off by default: measured
+    # (BENCHMARKS.md, CPU decode) it gains only at int4, and costs seconds at start.
+    compile: bool = False
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
     decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
     # First tokens go out as soon as the prefill pass made them, and cancels that came
