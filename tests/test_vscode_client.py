@@ -1,7 +1,9 @@
 """The VS Code extension (editor_clients/vscode): its lint and type check, its
 node tests (which start the real `completer serve` themselves, with only the
-`vscode` module faked) and its packaging into a .vsix. Needs Node 20+ and npm;
-`npm ci` runs when node_modules is missing (the npm registry, once)."""
+`vscode` module faked; the packaged models, and for the emoji test SmolLM2-135M,
+which the server fetches into the user's cache as `default_model` does) and its
+packaging into a .vsix. Needs Node 20+ and npm; `npm ci` runs when
+node_modules is missing (the npm registry, once)."""
 
 from __future__ import annotations
 

@@ -1,84 +1,17 @@
-// The completer protocol (version 1, /work/shared/PROTOCOL.md) over one
-// WebSocket, with reconnection. Independent of the vscode API: the provider
-// and the tests drive it the same way.
+// The completer protocol (version 1, docs/protocol.md) over one WebSocket,
+// with reconnection and a check that the connection still reaches the server
+// (liveness.ts); the requests on it are tracked by requests.ts. Independent
+// of the vscode API: the provider and the tests drive it the same way.
 
 import { EventEmitter } from 'events';
 import WebSocket from 'ws';
 
-export const PROTOCOL_VERSION = 1;
+import { DEFAULT_PONG_TIMEOUT_MS, DEFAULT_SILENCE_MS, Liveness } from './liveness';
+import { CompleteParams, PROTOCOL_VERSION, ServerInfo } from './protocol';
+import { InFlightRequests, PendingCompletion, RequestOptions } from './requests';
 
-export type Mode = 'line' | 'block' | 'free';
-export type DoneReason = 'stop' | 'length' | 'eos' | 'cancelled' | 'deadline';
-export type ErrorCode = 'bad_request' | 'unsupported' | 'too_large' | 'overloaded' | 'internal';
-
-export interface DocumentState {
-  uri: string;
-  language: string;
-  prefix: string;
-  suffix: string;
-}
-
-export interface ContextItem {
-  uri: string;
-  text: string;
-}
-
-/** A `complete` without its `type` and `id` (the client assigns the id). */
-export interface CompleteParams {
-  document: DocumentState;
-  context?: ContextItem[];
-  mode?: Mode;
-  max_tokens?: number;
-  temperature?: number;
-  stop?: string[];
-  deadline_ms?: number;
-}
-
-export interface Timings {
-  queue_ms: number;
-  ttft_ms: number;
-  total_ms: number;
-  prompt_tokens: number;
-  cached_tokens: number;
-  generated_tokens: number;
-  draft_proposed: number;
-  draft_accepted: number;
-  prefill: string;
-  [key: string]: unknown;
-}
-
-export interface ServerInfo {
-  protocol: number;
-  server: string;
-  model: { target: string; draft?: string | null };
-}
-
-/**
- * How a request ended. `reason` is the server's `done.reason`, `error` when it
- * answered with an `error`, or `disconnected` when the connection went away
- * before a terminal message arrived.
- */
-export interface CompletionResult {
-  id: string;
-  reason: DoneReason | 'error' | 'disconnected';
-  /** `done.text`; on error or disconnect, the deltas received so far. */
-  text: string;
-  /** Every delta's text, in order. */
-  deltas: string[];
-  timings?: Timings;
-  error?: { code: string; message: string };
-  /** Client-side: from sending `complete` to its terminal message. */
-  latencyMs: number;
-  /** Whether this client asked for it to end (cancel, or a newer request superseded it). */
-  cancelRequested: boolean;
-}
-
-export interface PendingCompletion {
-  readonly id: string;
-  readonly result: Promise<CompletionResult>;
-  /** Send `cancel` (once; not when a newer request for the same uri already superseded it). */
-  cancel(): void;
-}
+export * from './protocol';
+export type { PendingCompletion, RequestOptions } from './requests';
 
 export type ConnectionState = 'stopped' | 'connecting' | 'connected' | 'disconnected';
 
@@ -102,6 +35,24 @@ export interface ClientOptions {
   initialBackoffMs?: number;
   maxBackoffMs?: number;
   handshakeTimeoutMs?: number;
+  /** Ping the server after this long without hearing from it (liveness.ts). */
+  silenceMs?: number;
+  /** A ping unanswered this long: the connection is dead. */
+  pongTimeoutMs?: number;
+  /** A request without `deadline_ms` is given up this long after it was sent (plus the margin). */
+  assumedDeadlineMs?: number;
+  /** Given up this long after its deadline, when neither `done` nor `error` came. */
+  requestMarginMs?: number;
+}
+
+/** What became of a completion (`feedback`). Counts are in code points, as the server counts. */
+export interface FeedbackReport {
+  acceptedChars: number;
+  typedChars: number;
+  /** Whether it was on screen at all (false: it came too late, or was fetched ahead and never needed). */
+  shown: boolean;
+  /** Which text was kept, with `n` > 1: 0 is `done.text`, i is `done.candidates[i - 1]`. */
+  candidate?: number;
 }
 
 export class NotConnectedError extends Error {
@@ -109,17 +60,6 @@ export class NotConnectedError extends Error {
     super('not connected to the completer server');
     this.name = 'NotConnectedError';
   }
-}
-
-interface InFlight {
-  id: string;
-  uri: string;
-  deltas: string[];
-  sentAt: number;
-  cancelRequested: boolean;
-  superseded: boolean;
-  onDelta?: (text: string) => void;
-  resolve: (result: CompletionResult) => void;
 }
 
 /**
@@ -130,14 +70,13 @@ interface InFlight {
 export class CompleterClient extends EventEmitter {
   private opts: Required<Omit<ClientOptions, 'token'>> & Pick<ClientOptions, 'token'>;
   private ws: WebSocket | undefined;
+  private liveness: Liveness | undefined;
   private _state: ConnectionState = 'stopped';
   private detail = '';
   private failures = 0;
   private httpStatus: number | undefined;
   private retryTimer: NodeJS.Timeout | undefined;
-  private nextId = 1;
-  private inflight = new Map<string, InFlight>();
-  private inflightByUri = new Map<string, string>();
+  private readonly requests: InFlightRequests;
   /** Set on `ready`. */
   server: ServerInfo | undefined;
 
@@ -148,8 +87,15 @@ export class CompleterClient extends EventEmitter {
       initialBackoffMs: 250,
       maxBackoffMs: 10_000,
       handshakeTimeoutMs: 5_000,
+      silenceMs: DEFAULT_SILENCE_MS,
+      pongTimeoutMs: DEFAULT_PONG_TIMEOUT_MS,
+      // The server's default deadline is 2 s; an answer later than this is of no use to someone typing.
+      assumedDeadlineMs: 10_000,
+      requestMarginMs: 2_000,
       ...options,
     };
+    this.requests = new InFlightRequests((m) => this.send(m), (r) => this.emit('result', r),
+      () => this.liveness?.probe(), this.opts);
   }
 
   get state(): ConnectionState {
@@ -176,20 +122,15 @@ export class CompleterClient extends EventEmitter {
   /** Close the connection and stop reconnecting; requests in flight end as `disconnected`. */
   stop(): void {
     this.clearRetry();
-    const ws = this.ws;
-    this.ws = undefined;
-    if (ws) {
-      ws.removeAllListeners();
-      ws.on('error', () => undefined);
-      ws.terminate();
-    }
-    this.failAll('client stopped');
+    this.dropSocket();
+    this.requests.failAll('client stopped');
     this.setState('stopped', '');
   }
 
   /** New url or token source: reconnect now if running. */
   reconfigure(options: Partial<ClientOptions>): void {
     this.opts = { ...this.opts, ...options };
+    this.requests.timeouts = this.opts;
     if (this._state !== 'stopped') {
       this.stop();
       this.start();
@@ -204,48 +145,28 @@ export class CompleterClient extends EventEmitter {
   /**
    * Send a `complete`. Throws NotConnectedError when not connected (the
    * caller shows nothing; it does not queue). A newer request for the same
-   * `document.uri` supersedes this one on the server.
+   * `document.uri` ends this one on the server, unless the newer one says
+   * `supersede: false`. The result comes by the request's deadline plus a
+   * margin at the latest (`timeout`).
    */
-  complete(params: CompleteParams, onDelta?: (text: string) => void): PendingCompletion {
+  complete(params: CompleteParams, options: RequestOptions = {}): PendingCompletion {
     const ws = this.ws;
     if (!ws || this._state !== 'connected' || ws.readyState !== WebSocket.OPEN) {
       throw new NotConnectedError();
     }
-    const id = String(this.nextId++);
-    const uri = params.document.uri;
-    const previous = this.inflightByUri.get(uri);
-    if (previous !== undefined) {
-      const old = this.inflight.get(previous);
-      if (old) {
-        old.superseded = true; // the server ends it with `cancelled`; no `cancel` needed
-        old.cancelRequested = true;
-      }
-    }
-    let resolve!: (r: CompletionResult) => void;
-    const result = new Promise<CompletionResult>((r) => (resolve = r));
-    const entry: InFlight = {
-      id, uri, deltas: [], sentAt: performance.now(), cancelRequested: false, superseded: false, onDelta, resolve,
-    };
-    this.inflight.set(id, entry);
-    this.inflightByUri.set(uri, id);
-    this.send({ type: 'complete', id, ...params });
-    return {
-      id,
-      result,
-      cancel: () => {
-        if (entry.cancelRequested || !this.inflight.has(id)) {
-          return;
-        }
-        entry.cancelRequested = true;
-        this.send({ type: 'cancel', id });
-      },
-    };
+    return this.requests.add(params, options);
   }
 
-  /** Report what the user did with completion `id` (0 = dismissed). */
-  feedback(id: string, acceptedChars: number): void {
+  /** Report what the user did with completion `id`. */
+  feedback(id: string, report: FeedbackReport): void {
     if (this._state === 'connected') {
-      this.send({ type: 'feedback', id, accepted_chars: Math.max(0, Math.round(acceptedChars)) });
+      this.send({
+        type: 'feedback', id,
+        accepted_chars: Math.max(0, Math.round(report.acceptedChars)),
+        typed_chars: Math.max(0, Math.round(report.typedChars)),
+        shown: report.shown,
+        ...(report.candidate ? { candidate: report.candidate } : {}),
+      });
     }
   }
 
@@ -284,10 +205,24 @@ export class CompleterClient extends EventEmitter {
     });
     ws.on('open', () => {
       this.failures = 0;
+      this.liveness = new Liveness({
+        silenceMs: this.opts.silenceMs,
+        pongTimeoutMs: this.opts.pongTimeoutMs,
+        ping: () => ws.ping(),
+        dead: (detail) => {
+          if (this.ws === ws) {
+            this.dropSocket();
+            this.onClosed(detail);
+          }
+        },
+      });
       this.send({ type: 'hello', client: this.opts.clientName, protocol: PROTOCOL_VERSION });
       this.setState('connected', '');
     });
+    ws.on('ping', () => this.liveness?.heard());
+    ws.on('pong', () => this.liveness?.heard());
     ws.on('message', (data, isBinary) => {
+      this.liveness?.heard();
       if (!isBinary) {
         const buf = Buffer.isBuffer(data) ? data : Array.isArray(data) ? Buffer.concat(data) : Buffer.from(new Uint8Array(data));
         this.onMessage(buf.toString('utf8'));
@@ -303,12 +238,30 @@ export class CompleterClient extends EventEmitter {
         return;
       }
       this.ws = undefined;
+      this.stopLiveness();
       this.onClosed(failure || `connection closed (${code})`);
     });
   }
 
+  /** Forget the socket at once and close it, without a close handshake (a dead peer would not answer). */
+  private dropSocket(): void {
+    this.stopLiveness();
+    const ws = this.ws;
+    this.ws = undefined;
+    if (ws) {
+      ws.removeAllListeners();
+      ws.on('error', () => undefined);
+      ws.terminate();
+    }
+  }
+
+  private stopLiveness(): void {
+    this.liveness?.stop();
+    this.liveness = undefined;
+  }
+
   private onClosed(detail: string): void {
-    this.failAll(detail);
+    this.requests.failAll(detail);
     this.failures += 1;
     const base = Math.min(this.opts.maxBackoffMs, this.opts.initialBackoffMs * 2 ** (this.failures - 1));
     const delay = Math.round(Math.min(this.opts.maxBackoffMs, base * (0.8 + 0.4 * Math.random())));
@@ -349,28 +302,6 @@ export class CompleterClient extends EventEmitter {
     this.emit('sent', message);
   }
 
-  private failAll(detail: string): void {
-    for (const entry of [...this.inflight.values()]) {
-      this.finish(entry, { reason: 'disconnected', text: entry.deltas.join(''), error: { code: 'disconnected', message: detail } });
-    }
-  }
-
-  private finish(entry: InFlight, end: Pick<CompletionResult, 'reason' | 'text'> & Partial<CompletionResult>): void {
-    this.inflight.delete(entry.id);
-    if (this.inflightByUri.get(entry.uri) === entry.id) {
-      this.inflightByUri.delete(entry.uri);
-    }
-    const result: CompletionResult = {
-      id: entry.id,
-      deltas: entry.deltas,
-      latencyMs: performance.now() - entry.sentAt,
-      cancelRequested: entry.cancelRequested,
-      ...end,
-    };
-    this.emit('result', result);
-    entry.resolve(result);
-  }
-
   private onMessage(frame: string): void {
     let msg: Record<string, unknown>;
     try {
@@ -383,39 +314,13 @@ export class CompleterClient extends EventEmitter {
       return;
     }
     this.emit('message', msg);
-    const id = typeof msg.id === 'string' ? msg.id : undefined;
-    const entry = id !== undefined ? this.inflight.get(id) : undefined;
-    switch (msg.type) {
-      case 'ready':
-        this.server = msg as unknown as ServerInfo;
-        this.emit('ready', this.server);
-        break;
-      case 'delta':
-        if (entry && typeof msg.text === 'string') {
-          entry.deltas.push(msg.text);
-          entry.onDelta?.(msg.text);
-        }
-        break;
-      case 'done':
-        if (entry) {
-          this.finish(entry, {
-            reason: msg.reason as DoneReason,
-            text: typeof msg.text === 'string' ? msg.text : entry.deltas.join(''),
-            timings: msg.timings as Timings | undefined,
-          });
-        }
-        break;
-      case 'error': {
-        const error = { code: String(msg.code), message: String(msg.message) };
-        if (entry) {
-          this.finish(entry, { reason: 'error', text: entry.deltas.join(''), error });
-        } else {
-          this.emit('log', `server error: ${error.code}: ${error.message}`);
-        }
-        break;
-      }
-      default:
-        break; // newer message types are ignored (forward compatible)
+    if (msg.type === 'ready') {
+      this.server = msg as unknown as ServerInfo;
+      this.emit('ready', this.server);
+    } else if (msg.type === 'error' && (typeof msg.id !== 'string' || !this.requests.has(msg.id))) {
+      this.emit('log', `server error: ${String(msg.code)}: ${String(msg.message)}`);
+    } else {
+      this.requests.onFrame(msg); // delta, done, error of a request; newer message types are ignored
     }
   }
 }

@@ -1,11 +1,19 @@
-// Wiring: settings, the protocol client, the provider, the status bar, the
-// commands (toggle, stats, accept tracking, partial accept, dismiss).
+// Wiring: settings, the token, the protocol client, the provider and what it
+// draws on (cache, context, prefetching, privacy), the status bar, the
+// commands, and the editor events that feed them (editors.ts).
 
 import * as vscode from 'vscode';
 
+import { CompletionCache } from './cache';
 import { CompleterClient, CompletionResult, StateChange } from './client';
 import { readSettings, SECTION, Settings } from './config';
-import { ACCEPTED_COMMAND, CompleterProvider, textSource, VISIBLE_CONTEXT } from './provider';
+import { ContextCollector } from './context';
+import { watchEditors } from './editors';
+import { FeedbackLedger } from './feedback';
+import { Prefetcher } from './prefetch';
+import { PrivacyFilter } from './privacy';
+import { CompleterProvider, VISIBLE_CONTEXT } from './provider';
+import { SET_TOKEN_COMMAND, TokenStore } from './secrets';
 import { Stats } from './stats';
 import { STATS_COMMAND, StatusBar } from './status';
 import { resolveToken } from './token';
@@ -18,26 +26,60 @@ export interface CompleterApi {
   provider: CompleterProvider;
   stats: Stats;
   status: StatusBar;
+  cache: CompletionCache;
+  context: ContextCollector;
+  tokens: TokenStore;
   settings(): Settings;
 }
 
 let active: { dispose(): void } | undefined;
 
-export function activate(context: vscode.ExtensionContext): CompleterApi {
+export async function activate(context: vscode.ExtensionContext): Promise<CompleterApi> {
   let settings = readSettings();
   const output = vscode.window.createOutputChannel('completer');
   const stats = new Stats();
+  const tokens = new TokenStore(context.secrets);
+  await tokens.load();
+  if (await tokens.migrate()) {
+    output.appendLine('moved the token from the "completer.token" setting into VS Code\'s secret storage');
+    settings = readSettings();
+  }
+  let usedToken: string | undefined;
+  const currentToken = () => resolveToken(tokens.token ?? '', settings.tokenFile);
   const client = new CompleterClient({
     url: settings.serverUrl,
-    token: () => resolveToken(settings.token, settings.tokenFile),
+    token: () => (usedToken = currentToken()),
     clientName: CLIENT_NAME,
     maxBackoffMs: settings.reconnectMaxDelayMs,
   });
+  /** A new token (set here, in another window, or a new token file setting): connect with it now. */
+  const tokenChanged = () => {
+    if (client.state !== 'stopped' && currentToken() !== usedToken) {
+      client.reconfigure({});
+    }
+  };
+  tokens.watch(tokenChanged);
+
+  const privacy = new PrivacyFilter(settings);
+  const feedback = new FeedbackLedger((id, report) => client.feedback(id, report));
+  const cache = new CompletionCache(settings.cacheSize, (entry) => feedback.dropped(entry.id));
+  const collector = new ContextCollector(
+    () => ({ enabled: settings.contextEnabled, maxSnippets: settings.contextMaxSnippets, maxChars: settings.contextMaxChars }),
+    (uri) => !privacy.excludedPath(uri));
+  const prefetch = new Prefetcher(client, cache, (doc, cursor) => provider.params(doc, cursor));
+  const provider: CompleterProvider = new CompleterProvider({
+    client, stats, settings: () => settings, privacy, cache, context: collector, prefetch, feedback,
+    onFinish: (shown, how) => {
+      feedback.finished(shown);
+      stats.finished(shown, how);
+      void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, false);
+    },
+  });
+
   const status = new StatusBar();
   let connection: StateChange = { state: 'stopped', detail: '', failures: 0 };
   let lastError: { code: string; message: string } | undefined;
   let warnedAuth = false;
-
   const refresh = () => status.update({
     enabled: settings.enabled,
     url: settings.serverUrl,
@@ -47,25 +89,33 @@ export function activate(context: vscode.ExtensionContext): CompleterApi {
     model: client.server?.model.target,
   });
 
+  const editors = watchEditors({ provider, prefetch, context: collector, settings: () => settings });
   client.on('state', (change: StateChange) => {
     connection = change;
     if (change.state === 'connected') {
       warnedAuth = false;
       output.appendLine(`connected to ${settings.serverUrl}`);
+      editors.primeActive(); // a new connection may be a restarted server, its cache cold
     } else if (change.httpStatus === 401 && !warnedAuth) {
       // Once, not per attempt: the token needs the user; everything else stays in the status bar.
       warnedAuth = true;
       void vscode.window.showWarningMessage(
-        'completer: the server refused the token. Set "completer.token" or "completer.tokenFile" '
+        'completer: the server refused the token. Run "Completer: Set Token", or set "completer.tokenFile" '
         + '(default: the token file `completer serve` prints).');
     }
     refresh();
   });
   client.on('result', (r: CompletionResult) => {
     stats.result(r);
-    if (r.reason === 'error') {
+    if (r.purpose === 'prime') {
+      if (r.reason === 'error') { // an older server refuses max_tokens 0: not the user's concern
+        output.appendLine(`priming ${r.id}: ${r.error?.code}: ${r.error?.message}`);
+      }
+      return;
+    }
+    if ((r.reason === 'error' || r.reason === 'timeout') && r.error) {
       lastError = r.error;
-      output.appendLine(`request ${r.id}: ${r.error?.code}: ${r.error?.message}`);
+      output.appendLine(`request ${r.id}: ${r.error.code}: ${r.error.message}`);
     } else if (r.reason !== 'cancelled' && r.reason !== 'disconnected') {
       lastError = undefined;
     }
@@ -74,48 +124,27 @@ export function activate(context: vscode.ExtensionContext): CompleterApi {
   client.on('log', (line: string) => output.appendLine(line));
   client.on('ready', () => refresh());
 
-  const provider = new CompleterProvider(client, stats, () => settings, (shown, how) => {
-    client.feedback(shown.id, shown.accepted);
-    stats.finished(shown, how);
-    void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, false);
-  });
-
-  const apply = () => {
+  const apply = async () => {
     const old = settings;
     settings = readSettings();
+    if (settings.token.trim() && await tokens.migrate()) { // someone set the old setting again
+      output.appendLine('moved the token from the "completer.token" setting into VS Code\'s secret storage');
+      settings = readSettings();
+    }
+    privacy.update(settings);
+    cache.setCapacity(settings.cacheSize);
     provider.debounce.setRange({ minMs: settings.debounceMinMs, maxMs: settings.debounceMaxMs });
-    if (old.serverUrl !== settings.serverUrl || old.token !== settings.token || old.tokenFile !== settings.tokenFile
-      || old.reconnectMaxDelayMs !== settings.reconnectMaxDelayMs) {
+    if (old.serverUrl !== settings.serverUrl || old.reconnectMaxDelayMs !== settings.reconnectMaxDelayMs) {
       client.reconfigure({ url: settings.serverUrl, maxBackoffMs: settings.reconnectMaxDelayMs });
     }
     if (settings.enabled) {
       client.start();
+      tokenChanged();
     } else {
       provider.tracker.finish('dismissed');
       client.stop();
     }
     refresh();
-  };
-
-  /** Our partial accepts run VS Code's own, and credit what it inserted to the suggestion. */
-  const acceptPartly = async (builtin: string) => {
-    const before = vscode.window.activeTextEditor;
-    if (before && provider.tracker.current) {
-      provider.tracker.observe(textSource(before.document), before.document.offsetAt(before.selection.active), 'typed');
-    }
-    provider.accepting = true;
-    try {
-      await vscode.commands.executeCommand(builtin);
-    } finally {
-      provider.accepting = false;
-    }
-    const editor = vscode.window.activeTextEditor;
-    if (editor && provider.tracker.current) {
-      provider.tracker.observe(textSource(editor.document), editor.document.offsetAt(editor.selection.active), 'accepted');
-      if (provider.tracker.current) {
-        provider.tracker.current.version = editor.document.version;
-      }
-    }
   };
 
   const showStats = () => {
@@ -138,52 +167,25 @@ export function activate(context: vscode.ExtensionContext): CompleterApi {
   context.subscriptions.push(
     vscode.languages.registerInlineCompletionItemProvider(
       [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-remote' }], provider),
-    vscode.commands.registerCommand(ACCEPTED_COMMAND, (id: string) => {
-      const editor = vscode.window.activeTextEditor;
-      provider.tracker.acceptedWhole(String(id), editor ? textSource(editor.document) : undefined,
-        editor ? editor.document.offsetAt(editor.selection.active) : undefined);
-    }),
-    vscode.commands.registerCommand('completer.acceptNextWord', () => acceptPartly('editor.action.inlineSuggest.acceptNextWord')),
-    vscode.commands.registerCommand('completer.acceptNextLine', () => acceptPartly('editor.action.inlineSuggest.acceptNextLine')),
-    vscode.commands.registerCommand('completer.dismiss', async () => {
-      provider.tracker.finish('dismissed');
-      await vscode.commands.executeCommand('editor.action.inlineSuggest.hide');
-    }),
+    ...editors.subscriptions,
     vscode.commands.registerCommand('completer.toggle', async () => {
       await vscode.workspace.getConfiguration(SECTION).update('enabled', !settings.enabled, vscode.ConfigurationTarget.Global);
-      apply();
+      await apply();
+    }),
+    vscode.commands.registerCommand(SET_TOKEN_COMMAND, async () => {
+      if (await tokens.prompt()) {
+        tokenChanged();
+      }
     }),
     vscode.commands.registerCommand(STATS_COMMAND, showStats),
     vscode.workspace.onDidChangeConfiguration((e) => {
       if (e.affectsConfiguration(SECTION)) {
-        apply();
-      }
-    }),
-    vscode.window.onDidChangeTextEditorSelection((e) => {
-      const doc = e.textEditor.document;
-      provider.noteCursor(doc, e.selections[0]?.active.line ?? 0);
-      const shown = provider.tracker.current;
-      // A cursor move (no edit since we last looked) off the suggestion dismisses it;
-      // edits are judged by the provider and the accept commands.
-      if (shown && !provider.accepting && shown.uri === doc.uri.toString() && shown.version === doc.version) {
-        const sel = e.selections;
-        if (sel.length !== 1 || !sel[0].isEmpty
-          || provider.tracker.match(textSource(doc), doc.offsetAt(sel[0].active)) === undefined) {
-          provider.tracker.finish('dismissed');
-        }
-      }
-    }),
-    vscode.window.onDidChangeActiveTextEditor((editor) => {
-      if (editor) {
-        provider.noteCursor(editor.document, editor.selection.active.line);
-      }
-      const shown = provider.tracker.current;
-      if (shown && (!editor || editor.document.uri.toString() !== shown.uri)) {
-        provider.tracker.finish('dismissed');
+        void apply();
       }
     }),
     status,
     output,
+    tokens,
     { dispose: () => client.dispose() },
   );
   active = { dispose: () => client.dispose() };
@@ -191,7 +193,7 @@ export function activate(context: vscode.ExtensionContext): CompleterApi {
     client.start();
   }
   refresh();
-  return { client, provider, stats, status, settings: () => settings };
+  return { client, provider, stats, status, cache, context: collector, tokens, settings: () => settings };
 }
 
 export function deactivate(): void {

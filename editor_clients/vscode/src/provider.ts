@@ -1,29 +1,37 @@
-// The inline completion provider: when to ask (debounce, no selection or
-// multi-cursor), what to send (prefix/suffix, mode, nearby text of other
-// editors), and type-through of the suggestion on screen.
+// The inline completion provider: what may be completed (settings, privacy,
+// no selection or multi-cursor), then the cheapest source of a suggestion
+// first: the one on screen typed through, the next line fetched after an
+// accept, the cache, and only then a request (debounced), whose answer is
+// shown with its alternatives (`done.candidates`) to cycle through.
 
 import * as vscode from 'vscode';
 
-import { CompleteParams, CompleterClient, ContextItem, NotConnectedError, PendingCompletion } from './client';
+import type { CompletionCache, Place } from './cache';
+import { CompleteParams, CompleterClient, NotConnectedError, PendingCompletion } from './client';
 import type { Settings } from './config';
+import type { ContextCollector } from './context';
 import { AdaptiveDebounce } from './debounce';
+import type { FeedbackLedger } from './feedback';
+import type { DocumentText, Prefetcher, Speculation } from './prefetch';
+import type { PrivacyFilter } from './privacy';
 import type { Stats } from './stats';
-import { capPrefix, capSuffix, chooseMode, nearbyText } from './text';
-import { FinishHow, Shown, ShownTracker, TextSource } from './tracker';
+import { documentAt, modeAt } from './text';
+import { Alternative, alternativesOf, FinishHow, Shown, ShownTracker, TextSource } from './tracker';
 
-/** Run by VS Code after the whole suggestion is accepted (the item's command). */
+/** Run by VS Code after a whole suggestion is accepted (the item's command; arguments: id, alternative). */
 export const ACCEPTED_COMMAND = 'completer.accepted';
 /** Context key: one of our suggestions is on screen (keybindings use it). */
 export const VISIBLE_CONTEXT = 'completer.suggestionVisible';
-
-const CONTEXT_SCHEMES = new Set(['file', 'untitled', 'vscode-remote', 'vscode-notebook-cell']);
-const RECENT_DOCUMENTS = 20;
 
 export function textSource(doc: vscode.TextDocument): TextSource {
   return {
     uri: doc.uri.toString(),
     text: (start, end) => (end <= start ? '' : doc.getText(new vscode.Range(doc.positionAt(Math.max(0, start)), doc.positionAt(end)))),
   };
+}
+
+export function documentText(doc: vscode.TextDocument): DocumentText {
+  return { uri: doc.uri.toString(), languageId: doc.languageId, version: doc.version, text: doc.getText() };
 }
 
 /** Resolves true after `ms`, false as soon as `token` is cancelled. */
@@ -47,22 +55,45 @@ function sleep(ms: number, token: vscode.CancellationToken): Promise<boolean> {
   });
 }
 
+/** `promise`'s value, or undefined as soon as `token` is cancelled. */
+function unlessCancelled<T>(promise: Promise<T>, token: vscode.CancellationToken): Promise<T | undefined> {
+  return new Promise((resolve) => {
+    const sub = token.onCancellationRequested(() => resolve(undefined));
+    void promise.then((v) => {
+      sub.dispose();
+      resolve(v);
+    });
+  });
+}
+
+/** The parts the provider works with (built and wired by extension.ts). */
+export interface ProviderParts {
+  client: CompleterClient;
+  stats: Stats;
+  settings: () => Settings;
+  privacy: PrivacyFilter;
+  cache: CompletionCache;
+  context: ContextCollector;
+  prefetch: Prefetcher;
+  feedback: FeedbackLedger;
+  onFinish: (shown: Shown, how: FinishHow) => void;
+}
+
 export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   readonly tracker: ShownTracker;
   readonly debounce: AdaptiveDebounce;
   /** Set while our partial-accept command runs: document growth then counts as accepted, not typed. */
   accepting = false;
-  private recent: { uri: string; line: number }[] = [];
 
-  constructor(
-    private readonly client: CompleterClient,
-    private readonly stats: Stats,
-    private readonly settings: () => Settings,
-    onFinish: (shown: Shown, how: FinishHow) => void,
-  ) {
-    const s = settings();
+  constructor(private readonly parts: ProviderParts) {
+    const s = parts.settings();
     this.debounce = new AdaptiveDebounce({ minMs: s.debounceMinMs, maxMs: s.debounceMaxMs });
-    this.tracker = new ShownTracker(onFinish);
+    this.tracker = new ShownTracker(parts.onFinish);
+  }
+
+  /** Whether `document` may be completed (and read) at all. */
+  allows(document: vscode.TextDocument): boolean {
+    return this.parts.settings().enabled && this.parts.privacy.allows(document.uri.toString(), document.languageId);
   }
 
   async provideInlineCompletionItems(
@@ -71,8 +102,8 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     context: vscode.InlineCompletionContext,
     token: vscode.CancellationToken,
   ): Promise<vscode.InlineCompletionItem[] | undefined> {
-    const settings = this.settings();
-    if (!settings.enabled) {
+    const { client, stats, cache, prefetch } = this.parts;
+    if (!this.allows(document)) {
       return undefined;
     }
     const editor = vscode.window.activeTextEditor;
@@ -82,19 +113,36 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     const cursor = document.offsetAt(position);
     const source = textSource(document);
     if (this.tracker.current) {
+      // Typed (or accepted) what the suggestion says: the rest, at once, with no request and no flicker.
       const rest = this.tracker.observe(source, cursor, this.accepting ? 'accepted' : 'typed');
       const shown = this.tracker.current;
       if (rest !== undefined && shown) {
         shown.version = document.version;
-        this.stats.typeThrough += 1;
-        return [this.item(shown.id, rest, position)];
+        stats.typeThrough += 1;
+        return this.items(shown.id, rest, position);
       }
     }
     if (context.selectedCompletionInfo) {
       return undefined; // the suggest widget is open: leave the preview to it
     }
-    if (!this.client.connected) {
-      this.stats.skippedOffline += 1;
+    const doc = documentText(document);
+    const afterAccept = prefetch.speculationAt(doc, cursor);
+    if (afterAccept) {
+      return this.showNextLine(afterAccept, document, position, token);
+    }
+    const place: Place = { uri: doc.uri, prefix: doc.text.slice(0, cursor), suffix: doc.text.slice(cursor) };
+    const hit = cache.get(place);
+    if (hit) {
+      stats.cacheHits += 1;
+      return this.show(hit.id, hit.alternatives, document, position);
+    }
+    const ahead = prefetch.speculationFor(place);
+    if (ahead) { // Enter came before the next line did
+      const next = await unlessCancelled(ahead.result, token);
+      return next && document.version === doc.version ? this.show(next.id, next.alternatives, document, position) : undefined;
+    }
+    if (!client.connected) {
+      stats.skippedOffline += 1;
       return undefined; // quiet: the status bar says why
     }
     if (context.triggerKind === vscode.InlineCompletionTriggerKind.Automatic) {
@@ -106,58 +154,17 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (token.isCancellationRequested) {
       return undefined;
     }
-    const version = document.version;
-    let pending: PendingCompletion;
-    try {
-      pending = this.client.complete(this.request(document, position, settings));
-    } catch (e) {
-      if (e instanceof NotConnectedError) {
-        this.stats.skippedOffline += 1;
-        return undefined;
-      }
-      throw e;
-    }
-    this.stats.request();
-    const sub = token.onCancellationRequested(() => pending.cancel());
-    const result = await pending.result.finally(() => {
-      sub.dispose();
-    });
-    if (result.reason !== 'cancelled' && result.reason !== 'error' && result.reason !== 'disconnected') {
-      this.debounce.latency(result.latencyMs);
-    }
-    if (token.isCancellationRequested || document.version !== version
-      || (result.reason !== 'stop' && result.reason !== 'length' && result.reason !== 'eos' && result.reason !== 'deadline')
-      || result.text.trim() === '') {
-      return undefined;
-    }
-    this.tracker.show(result.id, source, cursor, result.text);
-    if (this.tracker.current) {
-      this.tracker.current.version = version;
-    }
-    this.stats.show(result.text);
-    void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, true);
-    return [this.item(result.id, result.text, position)];
+    return this.request(doc, place, document, position, token);
   }
 
-  /** Remember where the cursor was in a document (for the context of other requests). */
-  noteCursor(document: vscode.TextDocument, line: number): void {
-    const uri = document.uri.toString();
-    this.recent = [{ uri, line }, ...this.recent.filter((r) => r.uri !== uri)].slice(0, RECENT_DOCUMENTS);
-  }
-
-  request(document: vscode.TextDocument, position: vscode.Position, settings: Settings): CompleteParams {
-    const text = document.getText();
-    const cursor = document.offsetAt(position);
+  /** The fields of a request at `cursor` of `doc` (also what prefetched requests send). */
+  params(doc: DocumentText, cursor: number): CompleteParams {
+    const settings = this.parts.settings();
+    const line = lineOf(doc.text, cursor);
     const params: CompleteParams = {
-      document: {
-        uri: document.uri.toString(),
-        language: document.languageId,
-        prefix: capPrefix(text.slice(0, cursor)),
-        suffix: capSuffix(text.slice(cursor)),
-      },
-      context: this.contextFor(document, settings),
-      mode: chooseMode(document.lineAt(position.line).text,
-        position.line > 0 ? document.lineAt(position.line - 1).text : undefined),
+      document: documentAt(doc.uri, doc.languageId, doc.text, cursor),
+      context: this.parts.context.forRequest(doc.uri, doc.languageId, line),
+      mode: modeAt(doc.text, cursor),
     };
     if (settings.maxTokens > 0) {
       params.max_tokens = Math.round(settings.maxTokens);
@@ -165,49 +172,87 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (settings.deadlineMs > 0) {
       params.deadline_ms = settings.deadlineMs;
     }
+    if (settings.candidates > 1) {
+      params.n = settings.candidates;
+    }
     return params;
   }
 
-  /** Nearby text of other visible editors, then of recently used documents; same language first. */
-  contextFor(document: vscode.TextDocument, settings: Settings): ContextItem[] {
-    const max = Math.floor(settings.contextMaxSnippets);
-    if (max <= 0 || settings.contextMaxChars <= 0) {
-      return [];
-    }
-    const self = document.uri.toString();
-    const seen = new Set([self]);
-    const candidates: { doc: vscode.TextDocument; line: number }[] = [];
-    const add = (doc: vscode.TextDocument | undefined, line: number) => {
-      const uri = doc?.uri.toString();
-      if (doc && uri && !seen.has(uri) && CONTEXT_SCHEMES.has(doc.uri.scheme)) {
-        seen.add(uri);
-        candidates.push({ doc, line });
+  private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
+    token: vscode.CancellationToken): Promise<vscode.InlineCompletionItem[] | undefined> {
+    const { client, stats, cache, feedback } = this.parts;
+    let pending: PendingCompletion;
+    try {
+      pending = client.complete(this.params(doc, place.prefix.length));
+    } catch (e) {
+      if (e instanceof NotConnectedError) {
+        stats.skippedOffline += 1;
+        return undefined;
       }
-    };
-    for (const e of vscode.window.visibleTextEditors) {
-      add(e.document, e.selection.active.line);
+      throw e;
     }
-    const open = new Map(vscode.workspace.textDocuments.map((d) => [d.uri.toString(), d]));
-    for (const r of this.recent) {
-      add(open.get(r.uri), r.line);
+    stats.request();
+    const sub = token.onCancellationRequested(() => pending.cancel());
+    const result = await pending.result.finally(() => {
+      sub.dispose();
+    });
+    const ended = result.reason === 'stop' || result.reason === 'length' || result.reason === 'eos' || result.reason === 'deadline';
+    if (ended) {
+      this.debounce.latency(result.latencyMs);
     }
-    const sameLanguage = candidates.filter((c) => c.doc.languageId === document.languageId);
-    const others = candidates.filter((c) => c.doc.languageId !== document.languageId);
-    const out: ContextItem[] = [];
-    for (const { doc, line } of [...sameLanguage, ...others]) {
-      if (out.length >= max) {
-        break;
+    const alternatives = ended ? alternativesOf([result.text, ...result.candidates]) : [];
+    if (alternatives.length === 0) {
+      return undefined;
+    }
+    // Kept even when too late to show: the user may come back to this place.
+    const kept = cache.put(place, { id: result.id, alternatives });
+    if (token.isCancellationRequested || document.version !== doc.version) {
+      if (!kept) {
+        feedback.dropped(result.id);
       }
-      const text = nearbyText(doc.lineCount, (i) => doc.lineAt(i).text, line, settings.contextMaxChars);
-      if (text.trim()) {
-        out.push({ uri: doc.uri.toString(), text });
-      }
+      return undefined;
     }
-    return out;
+    return this.show(result.id, alternatives, document, position);
   }
 
-  private item(id: string, text: string, position: vscode.Position): vscode.InlineCompletionItem {
-    return new vscode.InlineCompletionItem(text, new vscode.Range(position, position),
-      { title: 'completer: accepted', command: ACCEPTED_COMMAND, arguments: [id] });
+  /** Right after a whole accept at the end of a line: the next line, with the line break Enter would insert. */
+  private async showNextLine(speculation: Speculation, document: vscode.TextDocument, position: vscode.Position,
+    token: vscode.CancellationToken): Promise<vscode.InlineCompletionItem[] | undefined> {
+    const version = document.version;
+    const next = await unlessCancelled(speculation.result, token);
+    if (!next || document.version !== version) {
+      return undefined;
+    }
+    const lead = speculation.lead;
+    return this.show(next.id, next.alternatives.map((a) => ({ index: a.index, text: lead + a.text })), document, position,
+      lead.length);
   }
+
+  private show(id: string, alternatives: Alternative[], document: vscode.TextDocument, position: vscode.Position,
+    lead = 0): vscode.InlineCompletionItem[] | undefined {
+    this.tracker.show(id, textSource(document), document.offsetAt(position), alternatives, lead);
+    const shown = this.tracker.current;
+    if (!shown) {
+      return undefined;
+    }
+    shown.version = document.version;
+    this.parts.feedback.markDisplayed(id);
+    this.parts.stats.show(alternatives[0].text.slice(lead));
+    void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, true);
+    return this.items(id, shown.alive, position);
+  }
+
+  private items(id: string, alternatives: Alternative[], position: vscode.Position): vscode.InlineCompletionItem[] {
+    return alternatives.map((a) => new vscode.InlineCompletionItem(a.text, new vscode.Range(position, position),
+      { title: 'completer: accepted', command: ACCEPTED_COMMAND, arguments: [id, a.index] }));
+  }
+}
+
+/** The 0-based line of offset `cursor`. */
+export function lineOf(text: string, cursor: number): number {
+  let line = 0;
+  for (let i = text.indexOf('\n'); i >= 0 && i < cursor; i = text.indexOf('\n', i + 1)) {
+    line += 1;
+  }
+  return line;
 }

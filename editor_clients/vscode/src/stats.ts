@@ -1,7 +1,7 @@
 // Counters behind the status bar and the "Show Stats" command (no vscode API).
 
-import type { CompletionResult } from './client';
-import type { FinishHow, Shown } from './tracker';
+import { codePoints, CompletionResult } from './protocol';
+import { FinishHow, keptChars, Shown, shownText } from './tracker';
 
 const LATENCY_WINDOW = 200;
 
@@ -11,12 +11,16 @@ export class Stats {
   /** Keystrokes that found no connection (nothing was sent). */
   skippedOffline = 0;
   typeThrough = 0;
+  /** Suggestions shown from the cache, without a request. */
+  cacheHits = 0;
   shown = 0;
   shownChars = 0;
   acceptedWhole = 0;
   acceptedPartly = 0;
   dismissed = 0;
+  /** Characters (code points) inserted by accepting, and typed through. */
   acceptedChars = 0;
+  typedChars = 0;
   lastLatencyMs: number | undefined;
   lastError: { code: string; message: string; at: Date } | undefined;
   private latencies: number[] = [];
@@ -26,10 +30,13 @@ export class Stats {
   }
 
   result(r: CompletionResult): void {
+    if (r.purpose === 'prime') {
+      return; // no completion: neither a latency nor an ending worth showing
+    }
     this.endings[r.reason] = (this.endings[r.reason] ?? 0) + 1;
-    if (r.reason === 'error' && r.error) {
+    if ((r.reason === 'error' || r.reason === 'timeout') && r.error) {
       this.lastError = { ...r.error, at: new Date() };
-    } else if (r.reason !== 'cancelled' && r.reason !== 'disconnected') {
+    } else if (r.reason === 'stop' || r.reason === 'length' || r.reason === 'eos' || r.reason === 'deadline') {
       this.lastLatencyMs = r.latencyMs;
       this.latencies.push(r.latencyMs);
       if (this.latencies.length > LATENCY_WINDOW) {
@@ -40,14 +47,16 @@ export class Stats {
 
   show(text: string): void {
     this.shown += 1;
-    this.shownChars += text.length;
+    this.shownChars += codePoints(text);
   }
 
   finished(s: Shown, how: FinishHow): void {
-    this.acceptedChars += s.accepted;
-    if (how === 'accepted' && s.accepted >= s.text.length - s.typed) {
+    const kept = keptChars(s);
+    this.acceptedChars += kept.accepted;
+    this.typedChars += kept.typed;
+    if (how === 'accepted' && kept.accepted + kept.typed >= codePoints(shownText(s).slice(s.lead))) {
       this.acceptedWhole += 1;
-    } else if (s.accepted > 0) {
+    } else if (kept.accepted > 0) {
       this.acceptedPartly += 1;
     } else if (how === 'dismissed' || how === 'replaced') {
       this.dismissed += 1;
@@ -69,9 +78,9 @@ export class Stats {
     return [
       `requests: ${this.requests} (${endings})`,
       `latency: last ${ms(this.lastLatencyMs)}, p50 ${ms(this.percentile(0.5))}, p95 ${ms(this.percentile(0.95))}`,
-      `shown: ${this.shown} (${this.shownChars} chars), type-through: ${this.typeThrough}`,
+      `shown: ${this.shown} (${this.shownChars} chars), type-through: ${this.typeThrough}, from the cache: ${this.cacheHits}`,
       `accepted: ${this.acceptedWhole} whole, ${this.acceptedPartly} partly, ${this.dismissed} dismissed; `
-        + `${this.acceptedChars} chars (${rate} of shown)`,
+        + `${this.acceptedChars} chars (${rate} of shown), ${this.typedChars} typed through`,
       `skipped while offline: ${this.skippedOffline}`,
       `last error: ${this.lastError ? `${this.lastError.code}: ${this.lastError.message}` : '-'}`,
     ];

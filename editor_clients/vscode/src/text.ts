@@ -1,7 +1,8 @@
 // Pure text helpers of the provider (no vscode API): the request's mode, the
-// bounds on what is sent, the nearby text of other editors.
+// bounds on what is sent, the nearby text of other editors, the next line's
+// indentation.
 
-import type { Mode } from './client';
+import type { DocumentState, Mode } from './protocol';
 
 const BLOCK_OPENER = /[:{([]$/;
 
@@ -15,6 +16,29 @@ export function chooseMode(currentLine: string, previousLine: string | undefined
     return 'block';
   }
   return 'line';
+}
+
+/** `chooseMode` at offset `cursor` of `text`. */
+export function modeAt(text: string, cursor: number): Mode {
+  const lineStart = text.lastIndexOf('\n', cursor - 1) + 1;
+  const lineEnd = text.indexOf('\n', cursor);
+  const line = text.slice(lineStart, lineEnd < 0 ? text.length : lineEnd);
+  const previous = lineStart > 0 ? text.slice(text.lastIndexOf('\n', lineStart - 2) + 1, lineStart - 1) : undefined;
+  return chooseMode(line, previous);
+}
+
+/** The `document` of a request at offset `cursor` of `text`. */
+export function documentAt(uri: string, language: string, text: string, cursor: number): DocumentState {
+  return { uri, language, prefix: capPrefix(text.slice(0, cursor)), suffix: capSuffix(text.slice(cursor)) };
+}
+
+/**
+ * The indentation an editor gives the line after `line` on Enter: the same,
+ * one `unit` more after a block opener.
+ */
+export function nextLineIndent(line: string, unit: string): string {
+  const indent = /^\s*/.exec(line)?.[0] ?? '';
+  return BLOCK_OPENER.test(line.trimEnd()) ? indent + unit : indent;
 }
 
 /** Bounds on what one request carries (the server fits the prompt itself; these only cap the frame). */

@@ -10,130 +10,22 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { after, afterEach, before, describe, it } from 'node:test';
 
-import type { CompletionResult } from '../src/client';
-import type * as vscode from 'vscode';
-
-import { activate, CompleterApi, deactivate } from '../src/extension';
-import { CancellationTokenSource, fake, FakeEditor, InlineCompletionItem, InlineCompletionTriggerKind, nextWord } from './fake-vscode';
+import { CancellationTokenSource, fake, InlineCompletionItem, InlineCompletionTriggerKind, nextWord } from './fake-vscode';
 import { Msg, Server, waitFor } from './server';
+import {
+  chars, closeSession, completes, counters as serverCounters, countersMatch as serverCountersMatch, feedbackFor,
+  insertedAt, PROMPTS, Session, start as startOn, suggestion, wire,
+} from './session';
+import { keptChars } from '../src/tracker';
 
 
 const TOKEN = 'vscode-extension-test-token';
 let server: Server;
 let configHome: string;
 
-interface Session {
-  api: CompleterApi;
-  sent: Msg[];
-  received: Msg[];
-  results: CompletionResult[];
-  close(): void;
-}
-let session: Session | undefined;
-
-/** Activate the extension on a fresh fake workbench; the token comes from the token file (XDG_CONFIG_HOME). */
-async function start(config: Record<string, unknown> = {}, connect = true): Promise<Session> {
-  fake.reset({ 'completer.serverUrl': server.url, ...config });
-  const context = { subscriptions: [] as { dispose(): unknown }[] };
-  const api = activate(context as unknown as vscode.ExtensionContext);
-  const s: Session = {
-    api, sent: [], received: [], results: [],
-    close: () => {
-      context.subscriptions.forEach((d) => d.dispose());
-      deactivate();
-    },
-  };
-  api.client.on('sent', (m: Msg) => s.sent.push(m));
-  api.client.on('message', (m: Msg) => s.received.push(m));
-  api.client.on('result', (r: CompletionResult) => s.results.push(r));
-  session = s;
-  if (connect) {
-    await waitFor(() => api.client.connected, 'the client to connect');
-  }
-  return s;
-}
-
-const completes = (s: Session) => s.sent.filter((m) => m.type === 'complete');
-const feedbackFor = (s: Session, id: string) => s.sent.filter((m) => m.type === 'feedback' && m.id === id);
-
-/** The terminal message of request `id` as received on the wire, and the deltas before it. */
-async function wire(s: Session, id: string): Promise<{ deltas: string[]; done: Msg }> {
-  const done = await waitFor(() => s.received.find((m) => m.id === id && (m.type === 'done' || m.type === 'error')),
-    `the end of request ${id}`);
-  return { deltas: s.received.filter((m) => m.id === id && m.type === 'delta').map((m) => m.text as string), done };
-}
-
-// Cursor positions (`|`) the small default models answer with some text; block ones give longer text.
-const PROMPTS = [
-  'import math\n\n\nclass Circle:\n    def __init__(self, radius):\n|\n',
-  'class Stack:\n    def push(self, item):\n|\n',
-  'import os\n\n\ndef read_lines(path):\n|\n',
-  'def area(width, height):\n    return |\n',
-  'import sys\n\n\ndef main(argv):\n    args = |\n',
-  'for i in range(10):\n|\n',
-];
-
-interface Shown {
-  editor: FakeEditor;
-  id: string;
-  text: string;
-  /** The document before the suggestion, and the cursor. */
-  before: string;
-  cursor: number;
-}
-
-/** Open prompts until the provider shows a suggestion for which `want` holds. */
-async function suggestion(s: Session, want: (text: string) => boolean, name: string): Promise<Shown> {
-  let n = 0;
-  for (const prompt of PROMPTS) {
-    const editor = fake.open(`file:///proj/app/${name}_${n++}.py`, 'python', prompt);
-    const items = await fake.trigger(InlineCompletionTriggerKind.Invoke);
-    const id = completes(s).at(-1)?.id as string;
-    const { deltas, done } = await wire(s, id);
-    assert.equal(deltas.join(''), done.text, 'deltas concatenate to done.text');
-    if (items && items.length > 0) {
-      const item = items[0];
-      assert.equal(item.insertText, done.text, 'the editor shows exactly what the server sent');
-      assert.deepEqual(item.command?.arguments, [id]);
-      if (want(item.insertText)) {
-        return { editor, id, text: item.insertText, before: editor.document.getText(), cursor: editor.cursor };
-      }
-    } else {
-      assert.equal((done.text as string).trim(), '', `a non-empty completion was not shown: ${JSON.stringify(done)}`);
-    }
-    fake.state.editors = fake.state.editors.filter((e) => e !== editor);
-  }
-  throw new Error(`no prompt gave a suggestion as wanted (${name}); completions: `
-    + JSON.stringify(s.received.filter((m) => m.type === 'done').map((m) => m.text)));
-}
-
-/** The server's feedback counters move by exactly what this session's feedback frames say. */
-async function countersMatch(s: Session, before: { shown: number; accepted: number }): Promise<void> {
-  const frames = s.sent.filter((m) => m.type === 'feedback');
-  const shownText = (id: string) => (s.received.find((m) => m.id === id && m.type === 'done')?.text as string).length;
-  const want = {
-    shown: before.shown + frames.reduce((n, m) => n + shownText(m.id as string), 0),
-    accepted: before.accepted + frames.reduce((n, m) => n + (m.accepted_chars as number), 0),
-  };
-  let got = {};
-  try {
-    await waitFor(async () => {
-      got = await counters();
-      return JSON.stringify(got) === JSON.stringify(want);
-    }, 'the server to count the feedback', 5000);
-  } catch (e) {
-    throw new Error(`server counters ${JSON.stringify(got)}, expected ${JSON.stringify(want)}: ${String(e)}`);
-  }
-}
-
-async function counters(): Promise<{ shown: number; accepted: number }> {
-  return {
-    shown: await server.counter('completer_feedback_shown_chars_total'),
-    accepted: await server.counter('completer_feedback_accepted_chars_total'),
-  };
-}
-
-const insertedAt = (shown: Shown, text: string) => shown.before.slice(0, shown.cursor) + text + shown.before.slice(shown.cursor);
+const start = (config: Record<string, unknown> = {}, connect = true) => startOn(server, config, connect);
+const counters = () => serverCounters(server);
+const countersMatch = (s: Session, before: { shown: number; accepted: number }) => serverCountersMatch(server, s, before);
 
 before(async () => {
   configHome = fs.mkdtempSync(path.join(os.tmpdir(), 'completer-vscode-'));
@@ -148,17 +40,15 @@ after(async () => {
   fs.rmSync(configHome, { recursive: true, force: true });
 });
 
-afterEach(() => {
-  session?.close();
-  session = undefined;
-});
+afterEach(() => closeSession());
 
 describe('completions from the real server', () => {
   it('streams: the suggestion is done.text, the deltas concatenated; prefix, suffix, mode and context are sent', async () => {
     const s = await start({ 'completer.context.maxChars': 200 });
     assert.equal(s.sent[0]?.type, 'hello');
     const other = Array.from({ length: 300 }, (_, i) => `VALUE_${i} = ${i}`).join('\n');
-    const neighbour = fake.open('file:///proj/app/constants.py', 'python', other, false);
+    // The user was at line 150 of another file, then went on to the one completed.
+    const neighbour = fake.open('file:///proj/app/constants.py', 'python', other);
     const at = other.indexOf('VALUE_150 ');
     fake.select(neighbour, [at, at]);
 
@@ -174,7 +64,7 @@ describe('completions from the real server', () => {
     const snippet = context.find((c) => c.uri === 'file:///proj/app/constants.py');
     assert.ok(snippet, `the other editor's text is sent as context: ${JSON.stringify(context)}`);
     assert.ok(snippet.text.length <= 200 && snippet.text.includes('VALUE_150 = 150'), snippet.text);
-    assert.ok(context.length <= 3);
+    assert.ok(context.length <= 4);
 
     // A mid-line cursor asks for the rest of the line.
     fake.open('file:///proj/app/mid.py', 'python', 'def f(a, b):\n    return a |\n');
@@ -231,7 +121,8 @@ describe('completions from the real server', () => {
     await fake.commandsRun('completer.acceptNextWord');
     assert.ok(fake.state.executed.some((e) => e.command === 'editor.action.inlineSuggest.acceptNextWord'));
     assert.equal(shown.editor.document.getText(), insertedAt(shown, word));
-    assert.equal(s.api.provider.tracker.current?.accepted, word.length);
+    const current = s.api.provider.tracker.current;
+    assert.equal(current && keptChars(current).accepted, chars(word));
     assert.equal(feedbackFor(s, shown.id).length, 0, 'no feedback until the suggestion ends');
     if (fake.state.ghost) {
       await fake.commandsRun('completer.acceptNextLine');
@@ -240,7 +131,8 @@ describe('completions from the real server', () => {
       await fake.commandsRun('editor.action.inlineSuggest.commit'); // Tab
     }
     assert.equal(shown.editor.document.getText(), insertedAt(shown, shown.text));
-    assert.deepEqual(feedbackFor(s, shown.id), [{ type: 'feedback', id: shown.id, accepted_chars: shown.text.length }]);
+    assert.deepEqual(feedbackFor(s, shown.id),
+      [{ type: 'feedback', id: shown.id, accepted_chars: chars(shown.text), typed_chars: 0, shown: true }]);
     assert.equal(s.api.provider.tracker.current, undefined);
     await countersMatch(s, before);
     assert.equal(s.api.stats.acceptedWhole, 1);
@@ -251,7 +143,8 @@ describe('completions from the real server', () => {
     await fake.commandsRun('completer.dismiss');
     assert.ok(fake.state.executed.some((e) => e.command === 'editor.action.inlineSuggest.hide'));
     assert.equal(fake.state.ghost, undefined);
-    assert.deepEqual(feedbackFor(s, again.id), [{ type: 'feedback', id: again.id, accepted_chars: nextWord(again.text).length }]);
+    assert.deepEqual(feedbackFor(s, again.id),
+      [{ type: 'feedback', id: again.id, accepted_chars: chars(nextWord(again.text)), typed_chars: 0, shown: true }]);
     assert.equal(s.api.stats.acceptedPartly, 1);
     await countersMatch(s, before);
   });
@@ -262,13 +155,13 @@ describe('completions from the real server', () => {
     const one = await suggestion(s, (t) => t.length > 0, 'dismiss');
     assert.equal(fake.state.contextKeys['completer.suggestionVisible'], true);
     await fake.commandsRun('completer.dismiss');
-    assert.deepEqual(feedbackFor(s, one.id), [{ type: 'feedback', id: one.id, accepted_chars: 0 }]);
+    assert.deepEqual(feedbackFor(s, one.id), [{ type: 'feedback', id: one.id, accepted_chars: 0, typed_chars: 0, shown: true }]);
     assert.equal(fake.state.contextKeys['completer.suggestionVisible'], false);
 
     const two = await suggestion(s, (t) => t.length > 0, 'diverge');
     const other = two.text[0] === '§' ? '¤' : '§';
     await Promise.all(fake.type(other));
-    assert.deepEqual(feedbackFor(s, two.id), [{ type: 'feedback', id: two.id, accepted_chars: 0 }]);
+    assert.deepEqual(feedbackFor(s, two.id), [{ type: 'feedback', id: two.id, accepted_chars: 0, typed_chars: 0, shown: true }]);
     assert.ok(s.sent.filter((m) => m.type === 'feedback').every((m) => m.accepted_chars === 0));
     await countersMatch(s, before);
     assert.equal(s.api.stats.dismissed, 2);
@@ -278,16 +171,20 @@ describe('completions from the real server', () => {
     const s = await start();
     const shown = await suggestion(s, (t) => t.length >= 3, 'typethrough');
     const requests = completes(s).length;
-    const [a] = await Promise.all(fake.type(shown.text[0]));
-    assert.deepEqual(a?.map((i: InlineCompletionItem) => [i.insertText, i.command?.arguments]), [[shown.text.slice(1), [shown.id]]]);
+    // No flicker: the rest comes back before any timer or I/O runs (no debounce, no round trip).
+    const [typed] = fake.type(shown.text[0]);
+    const a = await Promise.race([typed, new Promise<'late'>((r) => setImmediate(() => r('late')))]);
+    assert.ok(a !== 'late', 'the rest is served at once');
+    assert.deepEqual(a?.map((i: InlineCompletionItem) => [i.insertText, i.command?.arguments]), [[shown.text.slice(1), [shown.id, 0]]]);
     const [b] = await Promise.all(fake.type(shown.text[1]));
     assert.equal(b?.[0]?.insertText, shown.text.slice(2));
     assert.equal(completes(s).length, requests, 'no new request');
     assert.equal(s.api.stats.typeThrough, 2);
     await fake.commandsRun('editor.action.inlineSuggest.commit'); // Tab on the rest
     assert.equal(shown.editor.document.getText(), insertedAt(shown, shown.text));
-    assert.deepEqual(feedbackFor(s, shown.id), [{ type: 'feedback', id: shown.id, accepted_chars: shown.text.length - 2 }],
-      'typed chars are not counted as accepted');
+    assert.deepEqual(feedbackFor(s, shown.id),
+      [{ type: 'feedback', id: shown.id, accepted_chars: chars(shown.text.slice(2)), typed_chars: 2, shown: true }],
+      'typed chars are reported apart from accepted ones');
   });
 
   it('no request while a selection or several cursors are active, or when turned off', async () => {

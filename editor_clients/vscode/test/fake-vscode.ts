@@ -5,175 +5,14 @@
 
 /* eslint-disable @typescript-eslint/no-explicit-any */
 
-type Listener<T> = (e: T) => unknown;
+import {
+  CancellationTokenSource, Disposable, EventEmitter, FakeSecretStorage, InlineCompletionItem, InlineCompletionTriggerKind,
+  Listener, Selection, ThemeColor,
+} from './fake-basics';
+import { DocumentChange, FakeDocument, FakeEditor, nextLine, nextWord } from './fake-documents';
 
-export class Disposable {
-  constructor(private readonly fn: () => void = () => undefined) {}
-  static from(...items: { dispose(): unknown }[]): Disposable {
-    return new Disposable(() => items.forEach((d) => d.dispose()));
-  }
-  dispose(): void {
-    this.fn();
-  }
-}
-
-export class EventEmitter<T> {
-  private listeners = new Set<Listener<T>>();
-  readonly event = (listener: Listener<T>): Disposable => {
-    this.listeners.add(listener);
-    return new Disposable(() => this.listeners.delete(listener));
-  };
-  fire(e: T): void {
-    [...this.listeners].forEach((l) => l(e));
-  }
-  dispose(): void {
-    this.listeners.clear();
-  }
-}
-
-export class Position {
-  constructor(readonly line: number, readonly character: number) {}
-  isEqual(o: Position): boolean {
-    return this.line === o.line && this.character === o.character;
-  }
-  isBefore(o: Position): boolean {
-    return this.line < o.line || (this.line === o.line && this.character < o.character);
-  }
-}
-
-export class Range {
-  readonly start: Position;
-  readonly end: Position;
-  constructor(a: Position, b: Position) {
-    [this.start, this.end] = b.isBefore(a) ? [b, a] : [a, b];
-  }
-  get isEmpty(): boolean {
-    return this.start.isEqual(this.end);
-  }
-}
-
-export class Selection extends Range {
-  constructor(readonly anchor: Position, readonly active: Position) {
-    super(anchor, active);
-  }
-}
-
-export enum InlineCompletionTriggerKind { Invoke = 0, Automatic = 1 }
-export enum StatusBarAlignment { Left = 1, Right = 2 }
-export enum ConfigurationTarget { Global = 1, Workspace = 2, WorkspaceFolder = 3 }
-
-export class ThemeColor {
-  constructor(readonly id: string) {}
-}
-
-export interface Command {
-  title: string;
-  command: string;
-  arguments?: unknown[];
-}
-
-export class InlineCompletionItem {
-  constructor(public insertText: string, public range?: Range, public command?: Command) {}
-}
-
-export class CancellationTokenSource {
-  private emitter = new EventEmitter<void>();
-  private cancelled = false;
-  readonly token: { readonly isCancellationRequested: boolean; onCancellationRequested(l: Listener<void>): Disposable };
-
-  constructor() {
-    const source = this; // eslint-disable-line @typescript-eslint/no-this-alias
-    this.token = {
-      get isCancellationRequested(): boolean {
-        return source.cancelled;
-      },
-      onCancellationRequested(listener: Listener<void>): Disposable {
-        if (source.cancelled) { // as VS Code: an already cancelled token calls back soon
-          const t = setTimeout(() => listener(undefined), 0);
-          return new Disposable(() => clearTimeout(t));
-        }
-        return source.emitter.event(listener);
-      },
-    };
-  }
-
-  cancel(): void {
-    if (!this.cancelled) {
-      this.cancelled = true;
-      this.emitter.fire();
-    }
-  }
-
-  dispose(): void {
-    this.emitter.dispose();
-  }
-}
-
-export class Uri {
-  private constructor(readonly scheme: string, private readonly value: string) {}
-  static parse(value: string): Uri {
-    return new Uri(value.slice(0, value.indexOf(':')), value);
-  }
-  toString(): string {
-    return this.value;
-  }
-}
-
-export class FakeDocument {
-  version = 1;
-  readonly uri: Uri;
-  constructor(uri: string, readonly languageId: string, private text: string) {
-    this.uri = Uri.parse(uri);
-  }
-  get lineCount(): number {
-    return this.text.split('\n').length;
-  }
-  getText(range?: Range): string {
-    if (!range) {
-      return this.text;
-    }
-    return this.text.slice(this.offsetAt(range.start), this.offsetAt(range.end));
-  }
-  lineAt(line: number): { text: string } {
-    return { text: this.text.split('\n')[line] ?? '' };
-  }
-  offsetAt(p: Position): number {
-    const lines = this.text.split('\n');
-    let offset = 0;
-    for (let i = 0; i < Math.min(p.line, lines.length); i++) {
-      offset += lines[i].length + 1;
-    }
-    return Math.min(this.text.length, offset + Math.min(p.character, (lines[p.line] ?? '').length));
-  }
-  positionAt(offset: number): Position {
-    const before = this.text.slice(0, Math.max(0, Math.min(offset, this.text.length)));
-    const lines = before.split('\n');
-    return new Position(lines.length - 1, lines[lines.length - 1].length);
-  }
-  /** Replace [start, end) with `text`. */
-  edit(start: number, end: number, text: string): void {
-    this.text = this.text.slice(0, start) + text + this.text.slice(end);
-    this.version += 1;
-  }
-}
-
-export class FakeEditor {
-  selections: Selection[];
-  constructor(readonly document: FakeDocument, cursor: number) {
-    const p = document.positionAt(cursor);
-    this.selections = [new Selection(p, p)];
-  }
-  get selection(): Selection {
-    return this.selections[0];
-  }
-  set selection(s: Selection) {
-    this.selections = [s];
-  }
-  get cursor(): number {
-    return this.document.offsetAt(this.selection.active);
-  }
-}
-
+export * from './fake-basics';
+export * from './fake-documents';
 export interface StatusItem {
   text: string;
   tooltip?: string;
@@ -188,6 +27,8 @@ export interface StatusItem {
 
 interface Ghost {
   item: InlineCompletionItem;
+  /** Every item of the list the provider gave; `item` is one of them (Alt+] cycles). */
+  items: InlineCompletionItem[];
   editor: FakeEditor;
   /** Offset where the ghost text starts. */
   at: number;
@@ -199,23 +40,13 @@ type Provider = {
   provideInlineCompletionItems(doc: any, pos: any, ctx: any, token: any): Promise<InlineCompletionItem[] | undefined> | InlineCompletionItem[] | undefined;
 };
 
-/** VS Code's next-word rule, roughly: leading spaces, then a word or a run of punctuation. */
-export function nextWord(s: string): string {
-  const m = /^\s*(\w+|[^\w\s]+)|^\s+/.exec(s);
-  return m ? m[0] : s;
-}
-
-/** The next line: up to the first line break (the break itself when the line is empty). */
-export function nextLine(s: string): string {
-  const nl = s.indexOf('\n');
-  if (nl < 0) {
-    return s;
-  }
-  return nl === 0 ? '\n' : s.slice(0, nl);
-}
+/** VS Code's SecretStorage, in memory. */
 
 class FakeState {
   config: Record<string, unknown> = {};
+  secrets = new FakeSecretStorage();
+  /** Answers the next showInputBox calls give, in order (undefined: the box was cancelled). */
+  inputAnswers: (string | undefined)[] = [];
   commands = new Map<string, (...args: any[]) => unknown>();
   executed: { command: string; args: unknown[] }[] = [];
   contextKeys: Record<string, unknown> = {};
@@ -231,9 +62,13 @@ class FakeState {
   onConfig = new EventEmitter<{ affectsConfiguration(s: string): boolean }>();
   onSelection = new EventEmitter<{ textEditor: FakeEditor; selections: Selection[]; kind: number | undefined }>();
   onActiveEditor = new EventEmitter<FakeEditor | undefined>();
+  onChange = new EventEmitter<DocumentChange>();
+  onOpen = new EventEmitter<FakeDocument>();
+  onClose = new EventEmitter<FakeDocument>();
 }
 
 let state = new FakeState();
+FakeDocument.edited.event((e) => state.onChange.fire(e));
 
 function builtins(): void {
   const s = state;
@@ -259,6 +94,12 @@ function builtins(): void {
     return undefined;
   };
   s.commands.set('editor.action.inlineSuggest.commit', () => insertPart((rest) => rest));
+  s.commands.set('editor.action.inlineSuggest.showNext', () => {
+    const g = s.ghost;
+    if (g && g.done === 0) {
+      g.item = g.items[(g.items.indexOf(g.item) + 1) % g.items.length];
+    }
+  });
   s.commands.set('editor.action.inlineSuggest.acceptNextWord', () => insertPart(nextWord));
   s.commands.set('editor.action.inlineSuggest.acceptNextLine', () => insertPart(nextLine));
 }
@@ -282,17 +123,35 @@ export const fake = {
     state.config = { ...config };
     builtins();
   },
+  /** The ExtensionContext `activate` gets: its subscriptions, and the secret storage (kept until `reset`). */
+  context(): { subscriptions: { dispose(): unknown }[]; secrets: FakeSecretStorage } {
+    return { subscriptions: [], secrets: state.secrets };
+  },
   /** Open a document in an editor and make it active; `|` in `text` marks the cursor. */
   open(uri: string, languageId: string, text: string, active = true): FakeEditor {
     const cursor = text.indexOf('|');
     const doc = new FakeDocument(uri, languageId, cursor >= 0 ? text.slice(0, cursor) + text.slice(cursor + 1) : text);
     const editor = new FakeEditor(doc, cursor >= 0 ? cursor : doc.getText().length);
     state.editors.push(editor);
+    state.onOpen.fire(doc);
     if (active) {
-      state.activeEditor = editor;
-      state.onActiveEditor.fire(editor);
+      fake.activate(editor);
     }
     return editor;
+  },
+  /** Make `editor` the active one (as clicking into it does). */
+  activate(editor: FakeEditor): void {
+    state.activeEditor = editor;
+    state.onActiveEditor.fire(editor);
+  },
+  /** Close `editor` and its document. */
+  close(editor: FakeEditor): void {
+    state.editors = state.editors.filter((e) => e !== editor);
+    if (state.activeEditor === editor) {
+      state.activeEditor = undefined;
+      state.onActiveEditor.fire(undefined);
+    }
+    state.onClose.fire(editor.document);
   },
   get provider(): Provider {
     if (state.providers.length !== 1) {
@@ -317,7 +176,7 @@ export const fake = {
     }
     const list = items ?? [];
     if (!cts.token.isCancellationRequested && editor.document.version === version && list.length > 0) {
-      state.ghost = { item: list[0], editor, at: editor.cursor, done: 0 };
+      state.ghost = { item: list[0], items: list, editor, at: editor.cursor, done: 0 };
     } else if (list.length === 0 && !cts.token.isCancellationRequested) {
       state.ghost = undefined;
     }
@@ -335,14 +194,33 @@ export const fake = {
     editor.selections = [new Selection(p, p)];
     state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: typed ? 1 : undefined });
   },
-  /** Type `text` one character at a time; each keystroke triggers the provider (automatic). Returns each call's promise. */
+  /** Delete the character before the cursor, as Backspace does (a keystroke). */
+  deleteBeforeCursor(editor: FakeEditor): void {
+    state.pending?.cancel();
+    state.ghost = undefined;
+    const at = editor.cursor;
+    const before = editor.document.getText().slice(0, at);
+    const width = /[\udc00-\udfff]$/.test(before) && before.length >= 2 ? 2 : 1; // a surrogate pair is one character
+    editor.document.edit(at - width, at, '');
+    const p = editor.document.positionAt(at - width);
+    editor.selections = [new Selection(p, p)];
+    state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: 1 });
+  },
+  /**
+   * Type `text` one character (code point) at a time, `\b` being Backspace;
+   * each keystroke triggers the provider (automatic). Returns each call's promise.
+   */
   type(text: string): Promise<InlineCompletionItem[] | undefined>[] {
     const editor = state.activeEditor;
     if (!editor) {
       throw new Error('no active editor');
     }
     return [...text].map((ch) => {
-      fake.insertAtCursor(editor, ch);
+      if (ch === '\b') {
+        fake.deleteBeforeCursor(editor);
+      } else {
+        fake.insertAtCursor(editor, ch);
+      }
       return fake.trigger(InlineCompletionTriggerKind.Automatic);
     });
   },
@@ -399,6 +277,12 @@ export const window = {
     state.messages.info.push(message);
     return Promise.resolve(undefined);
   },
+  showInputBox(_options?: { password?: boolean }): Promise<string | undefined> {
+    if (state.inputAnswers.length === 0) {
+      throw new Error('showInputBox: the test gave no answer');
+    }
+    return Promise.resolve(state.inputAnswers.shift());
+  },
   onDidChangeTextEditorSelection: (l: Listener<any>) => state.onSelection.event(l),
   onDidChangeActiveTextEditor: (l: Listener<any>) => state.onActiveEditor.event(l),
 };
@@ -413,13 +297,25 @@ export const workspace = {
       get<T>(k: string, fallback?: T): T | undefined {
         return key(k) in state.config ? (state.config[key(k)] as T) : fallback;
       },
+      /** Every value is a user (global) setting here. */
+      inspect<T>(k: string): { key: string; globalValue?: T; workspaceValue?: T; workspaceFolderValue?: T } {
+        return key(k) in state.config ? { key: key(k), globalValue: state.config[key(k)] as T } : { key: key(k) };
+      },
       update(k: string, value: unknown): Promise<void> {
-        fake.setConfig({ [key(k)]: value });
+        if (value === undefined) {
+          delete state.config[key(k)];
+          fake.setConfig({});
+        } else {
+          fake.setConfig({ [key(k)]: value });
+        }
         return Promise.resolve();
       },
     };
   },
   onDidChangeConfiguration: (l: Listener<any>) => state.onConfig.event(l),
+  onDidChangeTextDocument: (l: Listener<any>) => state.onChange.event(l),
+  onDidOpenTextDocument: (l: Listener<any>) => state.onOpen.event(l),
+  onDidCloseTextDocument: (l: Listener<any>) => state.onClose.event(l),
 };
 
 export const commands = {

@@ -23,22 +23,29 @@ afterEach(async () => {
   }
 });
 
-function start(url: string, config: Record<string, unknown> = {}) {
+async function start(url: string, config: Record<string, unknown> = {}) {
   fake.reset({ 'completer.serverUrl': url, 'completer.token': TOKEN, 'completer.reconnect.maxDelayMs': 1000, ...config });
-  const context = { subscriptions: [] as { dispose(): unknown }[] };
-  const api: CompleterApi = activate(context as unknown as vscode.ExtensionContext);
+  const context = fake.context();
+  const api: CompleterApi = await activate(context as unknown as vscode.ExtensionContext);
   const sent: Msg[] = [];
   const states: (StateChange & { at: number })[] = [];
   const results: CompletionResult[] = [];
   api.client.on('sent', (m: Msg) => sent.push(m));
   api.client.on('state', (c: StateChange) => states.push({ ...c, at: Date.now() }));
-  api.client.on('result', (r: CompletionResult) => results.push(r));
+  api.client.on('result', (r: CompletionResult) => {
+    if (r.purpose === 'complete') { // not the priming of a document as it opens
+      results.push(r);
+    }
+  });
   cleanup.push(() => {
     context.subscriptions.forEach((d) => d.dispose());
     deactivate();
   });
   return { api, sent, states, results };
 }
+
+/** The requests for a suggestion (not those priming a document's prompt). */
+const completes = (sent: Msg[]) => sent.filter((m) => m.type === 'complete' && m.max_tokens !== 0);
 
 const noPopups = () => {
   assert.deepEqual(fake.state.messages, { error: [], warning: [], info: [] }, 'no message boxes');
@@ -47,7 +54,7 @@ const noPopups = () => {
 describe('server down', () => {
   it('keystrokes send nothing and show no error; the status bar says offline', async () => {
     const port = await freePort();
-    const { api, sent } = start(`ws://127.0.0.1:${port}/v1/ws`);
+    const { api, sent } = await start(`ws://127.0.0.1:${port}/v1/ws`);
     await waitFor(() => api.client.state === 'disconnected', 'a failed attempt');
     fake.open('file:///proj/app/down.py', 'python', 'def f(x):\n    return |\n');
     const started = Date.now();
@@ -57,7 +64,7 @@ describe('server down', () => {
     assert.ok(Date.now() - started < 2000, 'offline keystrokes return at once (no debounce, no waiting)');
     assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined);
     assert.equal(api.stats.skippedOffline, 41);
-    assert.equal(sent.filter((m) => m.type === 'complete').length, 0);
+    assert.equal(completes(sent).length, 0);
     noPopups();
     const status = fake.state.statusItems[0];
     assert.match(status.text, /offline/);
@@ -68,13 +75,13 @@ describe('server down', () => {
   it('reconnects with backoff after the server is killed and started again on its port', async () => {
     const first = await Server.start(TOKEN);
     cleanup.push(() => first.stop('SIGKILL'));
-    const { api, sent, states, results } = start(first.url, { 'completer.maxTokens': 200 });
+    const { api, sent, states, results } = await start(first.url, { 'completer.maxTokens': 200 });
     await waitFor(() => api.client.connected, 'the first connection');
     const editor = fake.open('file:///proj/app/restart.py', 'python', 'class Stack:\n    def push(self, item):\n|\n');
 
     // Kill the server with a request in flight: it ends as `disconnected`, nothing is shown.
     const inflight = fake.trigger(InlineCompletionTriggerKind.Invoke);
-    assert.equal(sent.filter((m) => m.type === 'complete').length, 1);
+    assert.equal(completes(sent).length, 1);
     await first.stop('SIGKILL');
     assert.equal(await inflight, undefined);
     assert.equal(results.at(-1)?.reason, 'disconnected');
@@ -92,7 +99,7 @@ describe('server down', () => {
     assert.ok(waits.every((w) => w > 0 && w <= 1000), `backoff capped: ${waits.join(', ')}`);
     noPopups();
     assert.match(fake.state.statusItems[0].text, /offline/);
-    assert.equal(sent.filter((m) => m.type === 'complete').length, 1, 'nothing sent while down');
+    assert.equal(completes(sent).length, 1, 'nothing sent while down');
 
     const second = await Server.start(TOKEN, first.port);
     cleanup.push(() => second.stop());

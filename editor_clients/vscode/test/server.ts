@@ -43,9 +43,13 @@ export class Server {
     return `http://127.0.0.1:${this.port}`;
   }
 
-  /** Start `completer serve` and resolve once it prints `ready`. */
-  static start(token: string, port = 0, timeoutMs = 120_000): Promise<Server> {
-    const proc = spawn(pythonExecutable(), ['-u', '-m', 'completer.cli', 'serve', '--model', 'embedded', '--port', String(port), '--token', token,
+  /**
+   * Start `completer serve` and resolve once it prints `ready`. `model`: the
+   * small one in the package by default; `default` is SmolLM2-135M (fetched
+   * into the user's cache once, as the Python tests' `default_model` does).
+   */
+  static start(token: string, port = 0, timeoutMs = 120_000, model = 'embedded'): Promise<Server> {
+    const proc = spawn(pythonExecutable(), ['-u', '-m', 'completer.cli', 'serve', '--model', model, '--port', String(port), '--token', token,
       '--set', 'engine.threads=1'], {
       cwd: REPO_ROOT,
       env: { ...process.env, OMP_NUM_THREADS: '1', PYTHONUNBUFFERED: '1' },

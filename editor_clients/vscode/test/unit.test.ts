@@ -1,4 +1,6 @@
-// The pure parts: mode choice, bounds, nearby text, debounce, the shown-suggestion tracker.
+// The pure parts: mode choice, bounds, nearby text, debounce, the token, the
+// shown-suggestion tracker and its counts, the cache, privacy, the context,
+// liveness on a fake clock.
 
 import assert from 'node:assert/strict';
 import * as fs from 'node:fs';
@@ -6,10 +8,15 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { describe, it } from 'node:test';
 
+import { CachedCompletion, CompletionCache } from '../src/cache';
+import { ContextCollector, ContextDocument } from '../src/context';
 import { AdaptiveDebounce } from '../src/debounce';
-import { capPrefix, chooseMode, nearbyText } from '../src/text';
+import { Liveness } from '../src/liveness';
+import { PrivacyFilter, uriPath } from '../src/privacy';
+import { codePoints, codePointsBetween } from '../src/protocol';
+import { capPrefix, chooseMode, modeAt, nearbyText, nextLineIndent } from '../src/text';
 import { resolveToken } from '../src/token';
-import { FinishHow, Shown, ShownTracker, TextSource } from '../src/tracker';
+import { FinishHow, keptChars, Shown, ShownTracker, TextSource } from '../src/tracker';
 
 describe('chooseMode', () => {
   it('is line mid-line and at the end of a line', () => {
@@ -26,6 +33,17 @@ describe('chooseMode', () => {
     assert.equal(chooseMode('', 'x = 1'), 'line');
     assert.equal(chooseMode('', undefined), 'line');
     assert.equal(chooseMode('', ''), 'line');
+  });
+  it('is found from a document and an offset', () => {
+    const text = 'def f(a):\n    \n    return a\n';
+    assert.equal(modeAt(text, text.indexOf('    \n') + 4), 'block');
+    assert.equal(modeAt(text, text.indexOf('return')), 'line');
+    assert.equal(modeAt('', 0), 'line');
+  });
+  it('indents the next line as an editor does on Enter', () => {
+    assert.equal(nextLineIndent('    return x', '    '), '    ');
+    assert.equal(nextLineIndent('    if x:', '    '), '        ');
+    assert.equal(nextLineIndent('\tfoo(', '\t'), '\t\t');
   });
 });
 
@@ -92,44 +110,200 @@ class Doc implements TextSource {
   }
 }
 
+const insert = (doc: Doc, at: number, s: string) => {
+  doc.body = doc.body.slice(0, at) + s + doc.body.slice(at);
+};
+const remove = (doc: Doc, at: number, n: number) => {
+  doc.body = doc.body.slice(0, at) + doc.body.slice(at + n);
+};
+
+describe('counting characters as the server does (code points)', () => {
+  it('counts a surrogate pair once, in the range holding its first half', () => {
+    const text = 'a😀b🎉';
+    assert.equal(text.length, 6);
+    assert.equal(codePoints(text), 4);
+    assert.equal(codePointsBetween(text, 0, 2), 2, 'a and the emoji it cut into');
+    assert.equal(codePointsBetween(text, 2, 6), 2, 'not the emoji again');
+    for (let cut = 0; cut <= text.length; cut++) {
+      assert.equal(codePointsBetween(text, 0, cut) + codePointsBetween(text, cut, text.length), 4, `cut at ${cut}`);
+    }
+  });
+});
+
 describe('ShownTracker', () => {
-  const setup = () => {
+  const setup = (alternatives = ['a + b']) => {
     const ended: [Shown, FinishHow][] = [];
     const tracker = new ShownTracker((s, how) => ended.push([s, how]));
     const doc = new Doc('def f():\n    return \n');
     const cursor = doc.body.indexOf('\n', 10);
-    tracker.show('7', doc, cursor, 'a + b');
-    return { ended, tracker, doc, cursor };
-  };
-  const insert = (doc: Doc, at: number, s: string) => {
-    doc.body = doc.body.slice(0, at) + s + doc.body.slice(at);
+    tracker.show('7', doc, cursor, alternatives.map((text, index) => ({ index, text })));
+    const kept = () => ended.map(([s, how]) => [s.id, keptChars(s).accepted, keptChars(s).typed, how]);
+    return { ended, kept, tracker, doc, cursor };
   };
 
-  it('type-through keeps the rest, typed chars are not accepted', () => {
-    const { ended, tracker, doc, cursor } = setup();
+  it('type-through keeps the rest, typed chars are counted apart from accepted ones', () => {
+    const { kept, tracker, doc, cursor } = setup();
     insert(doc, cursor, 'a ');
-    assert.equal(tracker.observe(doc, cursor + 2, 'typed'), '+ b');
+    assert.deepEqual(tracker.observe(doc, cursor + 2, 'typed'), [{ index: 0, text: '+ b' }]);
     insert(doc, cursor + 2, '+ b');
     assert.equal(tracker.observe(doc, cursor + 5, 'typed'), undefined);
-    assert.deepEqual(ended.map(([s, how]) => [s.accepted, s.typed, how]), [[0, 5, 'typed']]);
+    assert.deepEqual(kept(), [['7', 0, 5, 'typed']]);
   });
   it('partial then whole accept credits every char', () => {
-    const { ended, tracker, doc, cursor } = setup();
+    const { kept, tracker, doc, cursor } = setup();
     insert(doc, cursor, 'a');
-    assert.equal(tracker.observe(doc, cursor + 1, 'accepted'), ' + b');
+    assert.deepEqual(tracker.observe(doc, cursor + 1, 'accepted'), [{ index: 0, text: ' + b' }]);
     insert(doc, cursor + 1, ' + b');
-    tracker.acceptedWhole('7', doc, cursor + 5);
-    assert.deepEqual(ended.map(([s, how]) => [s.id, s.accepted, how]), [['7', 5, 'accepted']]);
+    tracker.acceptedWhole('7', 0, doc, cursor + 5);
+    assert.deepEqual(kept(), [['7', 5, 0, 'accepted']]);
+  });
+  it('counts code points: an emoji accepted is one character, not two UTF-16 units', () => {
+    const { kept, tracker, doc, cursor } = setup(['😀😀 = "🎉"']);
+    insert(doc, cursor, '😀😀');
+    assert.deepEqual(tracker.observe(doc, cursor + 4, 'accepted'), [{ index: 0, text: ' = "🎉"' }]);
+    insert(doc, cursor + 4, ' ');
+    tracker.observe(doc, cursor + 5, 'typed');
+    tracker.finish('dismissed');
+    assert.deepEqual(kept(), [['7', 2, 1, 'dismissed']]);
+  });
+  it('backspace takes back what it deletes', () => {
+    const { kept, tracker, doc, cursor } = setup();
+    insert(doc, cursor, 'a +');
+    tracker.observe(doc, cursor + 3, 'accepted');
+    remove(doc, cursor + 2, 1);
+    assert.deepEqual(tracker.observe(doc, cursor + 2, 'typed'), [{ index: 0, text: '+ b' }]);
+    tracker.finish('dismissed');
+    assert.deepEqual(kept(), [['7', 2, 0, 'dismissed']]);
+  });
+  it('alternatives: typing keeps those that agree; accepting one credits it', () => {
+    const { ended, tracker, doc, cursor } = setup(['a + b', 'a - b', 'x']);
+    insert(doc, cursor, 'a ');
+    assert.deepEqual(tracker.observe(doc, cursor + 2, 'typed'), [{ index: 0, text: '+ b' }, { index: 1, text: '- b' }]);
+    insert(doc, cursor + 2, '- b');
+    tracker.acceptedWhole('7', 1, doc, cursor + 5);
+    assert.deepEqual(ended.map(([s, how]) => [s.alive[0].index, keptChars(s), how]), [[1, { accepted: 3, typed: 2 }, 'accepted']]);
   });
   it('a different char, another document or a new suggestion ends it as dismissed', () => {
     const { ended, tracker, doc, cursor } = setup();
     insert(doc, cursor, 'x');
     assert.equal(tracker.observe(doc, cursor + 1, 'typed'), undefined);
-    tracker.show('8', doc, cursor + 1, 'yz');
+    tracker.show('8', doc, cursor + 1, [{ index: 0, text: 'yz' }]);
     assert.equal(tracker.observe(new Doc(doc.body, 'file:///b.py'), cursor + 1, 'typed'), undefined);
-    tracker.show('9', doc, cursor + 1, 'yz');
-    tracker.show('10', doc, cursor + 1, 'yz');
-    assert.deepEqual(ended.map(([s, how]) => [s.id, s.accepted, how]),
+    tracker.show('9', doc, cursor + 1, [{ index: 0, text: 'yz' }]);
+    tracker.show('10', doc, cursor + 1, [{ index: 0, text: 'yz' }]);
+    assert.deepEqual(ended.map(([s, how]) => [s.id, keptChars(s).accepted, how]),
       [['7', 0, 'dismissed'], ['8', 0, 'dismissed'], ['9', 0, 'replaced']]);
+  });
+});
+
+describe('CompletionCache', () => {
+  const place = (prefix: string, suffix = '\n', uri = 'file:///a.py') => ({ uri, prefix, suffix });
+  const one = (id: string, text: string): CachedCompletion => ({ id, alternatives: [{ index: 0, text }] });
+
+  it('serves a place seen before, and one typed ahead on the same line', () => {
+    const cache = new CompletionCache(8);
+    cache.put(place('x = 1\nreturn '), one('1', 'a + b'));
+    assert.deepEqual(cache.get(place('x = 1\nreturn ')), { id: '1', alternatives: [{ index: 0, text: 'a + b' }], typed: '' });
+    assert.deepEqual(cache.get(place('x = 1\nreturn a +')), { id: '1', alternatives: [{ index: 0, text: ' b' }], typed: 'a +' });
+    assert.equal(cache.get(place('x = 1\nreturn a -')), undefined, 'typed what the completion does not say');
+    assert.equal(cache.get(place('x = 1\nreturn a + b')), undefined, 'nothing left to insert');
+    assert.equal(cache.get(place('x = 2\nreturn ')), undefined, 'another line above');
+    assert.equal(cache.get(place('x = 1\nreturn ', ' # after\n')), undefined, 'another suffix');
+    assert.equal(cache.get(place('x = 1\nreturn ', '\n', 'file:///b.py')), undefined, 'another document');
+  });
+  it('drops the least recently used, and says so', () => {
+    const dropped: string[] = [];
+    const cache = new CompletionCache(2, (e) => dropped.push(e.id));
+    cache.put(place('a'), one('1', 'x'));
+    cache.put(place('b'), one('2', 'x'));
+    assert.ok(cache.get(place('a')));
+    cache.put(place('c'), one('3', 'x'));
+    assert.deepEqual(dropped, ['2']);
+    assert.equal(cache.get(place('b')), undefined);
+    assert.equal(new CompletionCache(0).put(place('a'), one('4', 'x')), false, 'size 0: off');
+  });
+});
+
+describe('privacy', () => {
+  const filter = (over: Partial<{ languages: Record<string, boolean>; exclude: string[]; excludeSensitiveFiles: boolean }> = {}) =>
+    new PrivacyFilter({ languages: { '*': true, plaintext: false }, exclude: [], excludeSensitiveFiles: true, ...over });
+
+  it('excludes files that hold secrets by default', () => {
+    const f = filter();
+    for (const path of ['/p/.env', '/p/.env.local', '/p/prod.env', '/p/server.pem', '/p/tls/server.KEY', '/h/.ssh/id_rsa',
+      '/h/id_ed25519.pub', '/h/.aws/config', '/p/.npmrc', '/p/.git-credentials', '/p/credentials.json', '/p/secrets.yaml',
+      '/p/terraform.tfvars', '/h/.kube/config', '/p/my%20keys/a.pem']) {
+      assert.ok(f.excludedPath(`file://${path}`), path);
+    }
+    for (const path of ['/p/app.py', '/p/env.py', '/p/keyboard.ts', '/p/environment.md', '/p/.envelope.js', '/p/key.py']) {
+      assert.ok(!f.excludedPath(`file://${path}`), path);
+    }
+    assert.ok(!filter({ excludeSensitiveFiles: false }).excludedPath('file:///p/.env'));
+  });
+  it('adds the user globs and turns languages off', () => {
+    const f = filter({ exclude: ['**/private/**', '*.gen.py'], languages: { '*': true, markdown: false } });
+    assert.ok(f.excludedPath('file:///p/private/a.py'));
+    assert.ok(f.excludedPath('file:///p/src/x.gen.py'));
+    assert.ok(!f.excludedPath('file:///p/src/x.py'));
+    assert.ok(!f.allows('file:///p/README.md', 'markdown'));
+    assert.ok(f.allows('file:///p/a.py', 'python'));
+    assert.ok(!filter().allows('file:///p/notes.txt', 'plaintext'));
+    assert.equal(uriPath('vscode-remote://ssh-remote%2Bhost/home/a/.env'), '/home/a/.env');
+  });
+});
+
+describe('ContextCollector', () => {
+  const doc = (uri: string, lines: string[], languageId = 'python'): ContextDocument =>
+    ({ uri, languageId, lineCount: lines.length, lineAt: (i) => lines[i] });
+  const lines = (name: string, n: number) => Array.from({ length: n }, (_, i) => `${name}_${i} = ${i}`);
+
+  it('edited regions first, then documents used lately; same language; stable while typing in one place', () => {
+    const collector = new ContextCollector(() => ({ enabled: true, maxSnippets: 4, maxChars: 60 }),
+      (uri) => !uri.endsWith('.env'));
+    const a = lines('a', 100);
+    const docA = doc('file:///a.py', a);
+    const docB = doc('file:///b.py', lines('b', 100));
+    const js = doc('file:///c.js', lines('c', 10), 'javascript');
+    const env = doc('file:///.env', ['KEY=secret']);
+    [docB, js, env].forEach((d) => collector.seen(d, 0));
+    collector.changed(docA, 50);
+    a[50] = 'a_50 = 5000';
+    collector.left(docA, 50);
+    const main = doc('file:///main.py', lines('m', 10));
+    const first = collector.forRequest(main.uri, 'python', 3);
+    assert.deepEqual(first.map((c) => c.uri), ['file:///a.py', 'file:///b.py']);
+    assert.ok(first[0].text.includes('a_50 = 5000') && first[0].text.length <= 60, first[0].text);
+    for (let line = 3; line < 6; line++) { // typing in main.py, even over several lines
+      collector.changed(main, line);
+      a[51] = `changed later ${line}`; // a's live text moves on: the snapshot does not
+      assert.deepEqual(collector.forRequest(main.uri, 'python', line), first);
+    }
+  });
+});
+
+describe('Liveness', () => {
+  it('probes after the silence, and a resumed machine at once; an unanswered probe is death', async () => {
+    let now = 0;
+    const pings: number[] = [];
+    let dead = '';
+    const liveness = new Liveness({ silenceMs: 1000, pongTimeoutMs: 400, ping: () => pings.push(now), dead: (d) => (dead = d), now: () => now });
+    const tick = () => new Promise((r) => setTimeout(r, 120)); // the check runs every 100 ms here
+    now = 900;
+    await tick();
+    assert.deepEqual(pings, [], 'not silent long enough');
+    now = 60_000; // the machine slept a minute
+    await tick();
+    assert.deepEqual(pings, [60_000], 'the first check after the resume probes');
+    liveness.heard(); // the pong
+    now = 60_500;
+    await tick();
+    assert.equal(dead, '');
+    now = 61_600;
+    await tick();
+    assert.deepEqual(pings, [60_000, 61_600]);
+    now = 62_100;
+    await tick();
+    assert.match(dead, /no answer from the server/);
+    liveness.stop();
   });
 });
