@@ -18,7 +18,9 @@ import pynvim
 from server_harness import ROOT, TOKEN, ServerProcess, running_server
 
 PLUGIN = ROOT / "editor_clients" / "neovim"
-NVIM = shutil.which("nvim")
+# COMPLETER_TEST_NVIM runs the tests with another Neovim (a modern build beside
+# Debian's 0.7; set VIMRUNTIME to its runtime too when it is not installed).
+NVIM = os.environ.get("COMPLETER_TEST_NVIM") or shutil.which("nvim")
 
 
 def free_port() -> int:
@@ -82,8 +84,9 @@ class Editor:
 
     def open_python(self, path: Path, content: str = ""):
         path.write_text(content)
-        self.nvim.command(f"edit {path}")
-        self.nvim.command("set filetype=python")
+        # One call, as a real :edit sets the filetype before BufEnter: nothing
+        # scheduled (a prime, a context build) runs in between.
+        self.lua("vim.cmd('edit ' .. vim.fn.fnameescape(...)); vim.bo.filetype = 'python'", str(path))
 
     def connected(self) -> bool:
         return self.lua("return require('completer').status().state") == "open"
@@ -97,13 +100,17 @@ class Editor:
         if not marks:
             return None
         assert len(marks) == 1, marks
-        _, row, col, d = marks[0]
+        mark_id, row, col, d = marks[0]
         first = "".join(chunk[0] for chunk in d.get("virt_text", []))
         rest = ["".join(chunk[0] for chunk in line) for line in d.get("virt_lines", [])]
-        return {"text": "\n".join([first, *rest]), "row": row, "col": col, "pos": d.get("virt_text_pos")}
+        return {"text": "\n".join([first, *rest]), "row": row, "col": col, "pos": d.get("virt_text_pos"),
+                "id": mark_id}
 
     def last(self) -> dict | None:
         return self.lua("return require('completer').last_result()")
+
+    def tick(self) -> int:
+        return self.nvim.api.buf_get_changedtick(0)
 
     def buffer_text(self) -> str:
         return "\n".join(self.nvim.current.buffer[:])

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import math
 import os
 import re
 import statistics
@@ -72,6 +73,20 @@ def idle(ed: Editor):
     time.sleep(0.3)
 
 
+def next_id(ed: Editor) -> int:
+    """The last request id used (completions, primes and speculative requests share the counter)."""
+    return ed.lua("return require('completer')._state.next_id")
+
+
+def settle(ed: Editor, tick0: int | None = None, timeout: float = 10):
+    """The keystroke just sent handled (the buffer's changedtick moved past
+    `tick0`), and nothing pending: no debounce running, the completion shown
+    (if any) finished."""
+    if tick0 is not None:
+        wait_until(lambda: ed.tick() != tick0, 5, 0.005, "the keystroke")
+    wait_until(lambda: not ed.lua("return require('completer').busy()"), timeout, 0.005, "the plugin to settle")
+
+
 def start_typing(ed: Editor, path: Path, content: str = CODE):
     """Open `content`, put the cursor at its end in insert mode."""
     ed.open_python(path, content)
@@ -79,18 +94,24 @@ def start_typing(ed: Editor, path: Path, content: str = CODE):
     ed.nvim.input("A")
 
 
-def type_until_completion(ed: Editor, chars: str, need_newline: bool = False) -> dict:
-    """Type `chars` one by one until a completion has finished and is shown
-    (some cursor positions get an empty one); returns the shown request."""
+def type_until_completion(ed: Editor, chars: str, need_newline: bool = False, usable=None) -> dict:
+    """Type `chars` one by one until a completion asked for by one of these
+    keystrokes has finished and is shown (some cursor positions get an empty
+    one; a keystroke typed through the completion shown asks for nothing);
+    returns the shown request."""
     for ch in chars:
-        sent = ed.lua("return require('completer').status().counts.sent")
+        first_id, tick0 = next_id(ed), ed.tick()
         ed.nvim.input(keys(ch))
-        try:  # the request this keystroke started (not one before it), finished
-            cur = wait_until(lambda: (c := lua_current(ed)) and int(c["id"]) > sent and c["done"] and c, 10,
-                             what="completion")
+        try:
+            settle(ed, tick0)
         except AssertionError:
             continue
-        if cur["text"] and (not need_newline or "\n" in cur["text"].strip("\n")):
+        cur = lua_current(ed)
+        if not (cur and cur["kind"] == "complete" and int(cur["id"]) > first_id and cur["done"] and cur["text"]):
+            continue
+        if need_newline and "\n" not in cur["text"].strip("\n"):
+            continue
+        if usable is None or usable(cur["text"]):
             return cur
     raise AssertionError(f"no usable completion after typing {chars!r}")
 
@@ -291,14 +312,16 @@ def test_keystroke_cancels_the_request_in_flight(server, editor, tmp_path):
     setup(editor, server, mode="free", max_tokens=64, debounce_ms=10)
     start_typing(editor, tmp_path / "c.py")
     for ch in "return os":
-        sent = status(editor)["counts"]["sent"]
+        first_id = next_id(editor)
         editor.nvim.input(keys(ch))
         try:  # this keystroke's completion streaming in, not finished: type again at once
-            cur = wait_until(lambda: (c := lua_current(editor)) and int(c["id"]) > sent and c["shown"] and c,
-                             10, 0.005, "stream")
+            cur = wait_until(lambda: (c := lua_current(editor)) and c["kind"] == "complete"
+                             and int(c["id"]) > first_id and c["shown"] and c, 10, 0.005, "stream")
         except AssertionError:
             continue
-        editor.nvim.input("x")
+        # A character the completion does not begin with: typing it through would keep the request.
+        shown = editor.lua("local c = require('completer').current(); return c and c.text or ''")
+        editor.nvim.input("Z" if shown.startswith("x") else "x")
         wait_until(lambda: any(r["id"] == cur["id"] for r in editor.lua("return require('completer').results()")),
                    10, what="the first request's end")
         first = next(r for r in editor.lua("return require('completer').results()") if r["id"] == cur["id"])
@@ -451,6 +474,487 @@ def test_status_and_toggle(server, editor, tmp_path):
     assert status(editor)["counts"]["sent"] >= 1
 
 
+
+# -- Issue #17: the window, dead connections, the mode, accept, feedback -----------------
+
+CAPTURE = """
+_G.sent = {}
+local c = require('completer')._state.client
+local send = c.send
+c.send = function(self, msg)
+  table.insert(_G.sent, vim.deepcopy(msg))
+  return send(self, msg)
+end
+"""
+
+
+def capture(ed: Editor):
+    """Record every message the plugin sends from now on (after setup: it makes a new client)."""
+    ed.lua(CAPTURE)
+
+
+def sent(ed: Editor, kind: str = "complete") -> list[dict]:
+    return [m for m in ed.lua("return _G.sent") if m["type"] == kind]
+
+
+def uri_of(path: Path) -> str:
+    return "file://" + str(path)
+
+
+def test_window_start_moves_in_steps(editor):
+    editor.nvim.current.buffer[:] = [f"line_{i} = {i}" for i in range(400)]
+    firsts = []
+    for row in range(100, 200):
+        prefix_first, first, last = editor.lua("""
+            local d, first, last = require('completer.text').document(0, ..., 0, 40)
+            return { d.prefix:match('^[^\\n]*'), first, last }""", row)
+        start = int(prefix_first.split("_")[1].split(" ")[0])
+        assert start == first and start <= row - 40 and last >= row + 41, (row, first, last)  # at least max_lines
+        firsts.append(start)
+    # Consecutive lines share the start; it moves a step at a time, not a line per Enter.
+    assert len(set(firsts)) <= 100 // 20 + 1, sorted(set(firsts))
+    assert sum(a == b for a, b in zip(firsts, firsts[1:])) >= 90
+    # A large window moves on the server's 32-line grid.
+    step = editor.lua("return require('completer.text').window_step(2000)")
+    assert step % 32 == 0 and 500 <= step <= 1000
+
+
+def test_new_lines_keep_the_servers_cache_warm(server, editor, tmp_path):
+    """Past max_lines, Enter after Enter: the prompt's start stays, so the
+    server finds all but the new lines cached."""
+    setup(editor, server, max_lines=40, mode="line", max_tokens=8, debounce_ms=10, cache_size=0, prime=False,
+          speculative=False, type_through=False, context={"enabled": False})
+    body = "".join(f"value_{i} = compute({i}, scale={i % 7})\n" for i in range(150))
+    editor.open_python(tmp_path / "long.py", body)
+    editor.nvim.command("setlocal noautoindent")
+    editor.nvim.current.window.cursor = (120, 0)
+    editor.nvim.input("A")
+    after_enter = []  # the request each Enter started: the one whose prompt start would move
+    for ch in "x\ny\nz\nw\nv\nu":
+        tick0 = editor.tick()
+        editor.nvim.input("<CR>" if ch == "\n" else ch)
+        settle(editor, tick0)
+        last = editor.last()
+        if ch == "\n" and last and last["kind"] == "complete" and last["type"] == "done":
+            after_enter.append(last["timings"])
+    assert len(after_enter) >= 4, after_enter
+    share = sum(t["cached_tokens"] for t in after_enter) / sum(t["prompt_tokens"] for t in after_enter)
+    assert share >= 0.6, [(t["cached_tokens"], t["prompt_tokens"]) for t in after_enter]
+
+
+def test_block_mode_only_on_a_blank_line(server, editor, tmp_path):
+    def mode(before, after):
+        return editor.lua("return require('completer.text').mode('auto', ...)", before, after)
+
+    assert mode("    ", "return x") == "line"  # blank before the cursor, code after it
+    assert mode("    ", "  ") == "block" and mode("", "") == "block"
+    assert mode("    x = ", "") == "line"
+    setup(editor, server, max_tokens=8, debounce_ms=10)
+    capture(editor)
+    editor.open_python(tmp_path / "m.py", "def f(x):\n    return x\n")
+    editor.nvim.current.window.cursor = (2, 4)  # on `return`, after the indentation
+    editor.nvim.input("i")
+    def asked():  # not a prime (max_tokens 0), which may also come from here
+        return [m for m in sent(editor) if m["document"]["prefix"].endswith("\n    ") and m.get("max_tokens") != 0]
+
+    request = wait_until(lambda: asked() and asked()[0], 10, what="a request")
+    assert request["document"]["suffix"].startswith("return x") and request["mode"] == "line"
+    editor.nvim.input("<Esc>o")  # a new, blank line
+    wait_until(lambda: sent(editor)[-1]["mode"] == "block" and sent(editor)[-1]["document"]["suffix"].startswith("\n"),
+               10, what="a request on the blank line")
+
+
+class FreezingProxy:
+    """A TCP proxy to the server that can go silent: freeze() stops
+    forwarding, both ways, on the connections open now, while their sockets
+    stay open (a half-open connection: the machine slept, a NAT entry was
+    dropped); connections made later pass."""
+
+    def __init__(self, target_port: int):
+        self.count, self.frozen_upto, self.tasks = 0, 0, set()
+
+        async def start(box):
+            async def handle(reader, writer):
+                self.tasks.add(asyncio.current_task())
+                self.count += 1
+                n = self.count
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
+
+                async def pump(r, w):
+                    try:
+                        while data := await r.read(65536):
+                            if n > self.frozen_upto:
+                                w.write(data)
+                                await w.drain()
+                    finally:
+                        w.close()
+                await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+            return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+        self.srv = ThreadServer(start)
+        self.url = f"ws://127.0.0.1:{self.srv.port}/v1/ws"
+
+    def freeze(self):
+        self.frozen_upto = self.count
+
+    def close(self):
+        async def stop_handlers():  # before the loop stops, so none is left half-run
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop_handlers(), self.srv.loop).result(10)
+        self.srv.close()
+
+
+def test_a_silent_connection_is_found_dead_and_replaced(server, editor, tmp_path):
+    proxy = FreezingProxy(server.port)
+    try:
+        editor.setup(url=proxy.url, token=TOKEN, silence_ms=1000, pong_timeout_ms=500, reconnect_min_ms=100,
+                     reconnect_max_ms=200, max_tokens=8)
+        wait_until(editor.connected, 15, what="connection through the proxy")
+        proxy.freeze()  # the server's pings (every 20 s) and our pongs vanish from now on
+        frozen_at = time.time()
+        wait_until(lambda: status(editor)["dead"] == 1 and status(editor)["connects"] == 2 and editor.connected(),
+                   10, what="the silent connection replaced")
+        assert time.time() - frozen_at < 5  # silence_ms + pong_timeout_ms, and a reconnect
+        start_typing(editor, tmp_path / "p.py")
+        type_until_completion(editor, "retur")  # the new connection completes
+    finally:
+        proxy.close()
+
+
+def test_a_request_on_a_dead_connection_times_out(server, editor, tmp_path):
+    proxy = FreezingProxy(server.port)
+    try:
+        editor.setup(url=proxy.url, token=TOKEN, silence_ms=60000, pong_timeout_ms=500, deadline_ms=300,
+                     request_timeout_margin_ms=300, reconnect_min_ms=100, reconnect_max_ms=200, debounce_ms=10,
+                     max_tokens=8, prime=False)
+        wait_until(editor.connected, 15, what="connection through the proxy")
+        start_typing(editor, tmp_path / "t.py")
+        idle(editor)
+        proxy.freeze()
+        first_id = next_id(editor)
+        editor.nvim.input("x")  # its request goes into a socket nobody reads
+        results = lambda: editor.lua("return require('completer').results()")  # noqa: E731
+        wait_until(lambda: any(int(r["id"]) > first_id and r["code"] == "timeout" for r in results()), 5,
+                   what="the request's timeout")
+        assert editor.ghost() is None and status(editor)["counts"]["timeouts"] >= 1
+        # The timeout made the client ping; no pong: dead, and replaced (silence_ms alone would take a minute).
+        wait_until(lambda: status(editor)["dead"] == 1 and status(editor)["connects"] == 2 and editor.connected(),
+                   10, what="the reconnect")
+    finally:
+        proxy.close()
+
+
+def test_undo_takes_back_only_the_accepted_text_and_dot_repeats(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=16, speculative=False)
+    start_typing(editor, tmp_path / "u.py")
+    cur = type_until_completion(editor, "retur", usable=lambda t: "\n" not in t)
+    before = editor.buffer_text()
+    editor.nvim.input("<Tab>")
+    wait_until(lambda: editor.buffer_text() == before + cur["text"], 5, what="accept")
+    after = editor.buffer_text()
+    editor.nvim.input("<Esc>")
+    wait_until(lambda: editor.mode() == "n", 5, what="normal mode")
+    editor.nvim.input("u")
+    wait_until(lambda: editor.buffer_text() == before, 5, what="undo of the accepted text alone")
+    editor.nvim.input("<C-r>")
+    wait_until(lambda: editor.buffer_text() == after, 5, what="redo")
+    # `.` repeats the whole insert: what was typed and what was accepted.
+    inserted = after[len(CODE):]
+    editor.nvim.input("gg.")
+    wait_until(lambda: editor.nvim.current.buffer[0] == "import os" + inserted, 5, what="dot repeat")
+
+
+def test_tab_chains_to_the_mapping_it_had(server, editor, tmp_path):
+    editor.nvim.command("inoremap <expr> <Tab> pumvisible() ? '<C-n>' : 'PREV'")
+    setup(editor, server, mode="line", max_tokens=16)
+    setup(editor, server, mode="line", max_tokens=16)  # a second setup() keeps the chain
+    editor.lua("require('completer').disable()")
+    editor.open_python(tmp_path / "tab.py", "")
+    editor.nvim.input("i<Tab>")
+    wait_until(lambda: editor.buffer_text() == "PREV", 5, what="the previous mapping")
+    editor.nvim.input("<Esc>")
+    editor.lua("require('completer').enable()")
+    start_typing(editor, tmp_path / "tab2.py")
+    cur = type_until_completion(editor, "retur")
+    before = editor.buffer_text()
+    editor.nvim.input("<Tab>")
+    wait_until(lambda: editor.buffer_text() == before + cur["text"], 5, what="accept")
+    assert "PREV" not in editor.buffer_text()
+
+
+POPUP = "<C-r>=complete(col('.'), ['alpha_one', 'alpha_two']) ? '' : ''<CR>"
+
+
+def test_popup_menu_hides_ghost_text_and_keeps_tab(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=16)
+    editor.nvim.command("set completeopt=menuone,noinsert,noselect")
+    start_typing(editor, tmp_path / "pum.py")
+    cur = type_until_completion(editor, "retur")
+    shown = editor.ghost()
+    editor.nvim.input(POPUP)
+    wait_until(lambda: editor.nvim.funcs.pumvisible() == 1, 5, what="the popup menu")
+    wait_until(lambda: editor.ghost() is None, 5, what="ghost text hidden under the menu")
+    assert not editor.lua("return require('completer').visible()")
+    editor.nvim.input("<C-e>")  # close the menu, nothing inserted: the completion comes back
+    wait_until(lambda: editor.nvim.funcs.pumvisible() == 0 and editor.ghost() is not None, 5, what="ghost text back")
+    assert editor.ghost()["text"] == shown["text"]
+    # With hiding off the ghost text stays under the menu, but <Tab> is the menu's.
+    editor.lua("require('completer')._state.cfg.hide_during_pum = false")
+    before = editor.buffer_text()
+    editor.nvim.input(POPUP)
+    wait_until(lambda: editor.nvim.funcs.pumvisible() == 1, 5, what="the popup menu")
+    assert editor.ghost() is not None
+    editor.nvim.input("<Tab>")
+    wait_until(lambda: editor.buffer_text() != before, 5, what="the key's own action")
+    assert editor.buffer_text() == before + "\t" and cur["text"] not in editor.buffer_text()[len(before):]
+
+
+def test_typing_what_is_shown_consumes_it_without_a_request(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=24)
+    capture(editor)
+    start_typing(editor, tmp_path / "tt.py")
+    cur = type_until_completion(editor, "retur", usable=lambda t: len(t) >= 3 and not re.search(r"[\n\t]", t[:2]))
+    text, mark = cur["text"], editor.ghost()["id"]
+    idle(editor)
+    first_id, counts0 = next_id(editor), status(editor)["counts"]
+    typed0, accepted0, shown0 = (metric(server, "completer_feedback_typed_chars_total"), metric(server, ACCEPTED),
+                                 metric(server, SHOWN))
+    for n in (1, 2):
+        tick0 = editor.tick()
+        editor.nvim.input(keys(text[n - 1]))
+        wait_until(lambda: editor.tick() != tick0, 5, what="the keystroke")
+        shown = editor.ghost()
+        # The same extmark, shrunk in the keystroke's own tick: never cleared, so never a flicker.
+        assert shown["text"] == expand(text[n:]) and shown["id"] == mark, shown
+        settle(editor)
+    assert next_id(editor) == first_id and status(editor)["counts"]["sent"] == counts0["sent"]  # nothing asked
+    editor.nvim.input("<Esc>")
+    wait_until(lambda: any(m["id"] == cur["id"] for m in sent(editor, "feedback")), 5, what="feedback")
+    fb = next(m for m in sent(editor, "feedback") if m["id"] == cur["id"])
+    assert fb["typed_chars"] == 2 and fb["accepted_chars"] == 0 and fb["shown"] is True
+    counts = status(editor)["counts"]
+    # Kept, not dismissed.
+    assert counts["typed"] == counts0["typed"] + 2 and counts["dismissed"] == counts0["dismissed"]
+    wait_until(lambda: metric(server, "completer_feedback_typed_chars_total") == typed0 + 2, 10,
+               what="the server's count")
+    assert metric(server, ACCEPTED) == accepted0 + 2 and metric(server, SHOWN) == shown0 + len(text)
+
+
+def test_backspace_and_retype_are_served_from_the_cache(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=16)
+    start_typing(editor, tmp_path / "bs.py")
+    cur = type_until_completion(editor, "retur")
+    shown = editor.ghost()["text"]
+    wrong = "Q" if not cur["text"].startswith("Q") else "Z"  # not what the completion begins with
+    tick0 = editor.tick()
+    editor.nvim.input(wrong)
+    settle(editor, tick0)  # its own request, finished
+    other = lua_current(editor)
+    sent0 = status(editor)["counts"]["sent"]
+    tick0 = editor.tick()
+    editor.nvim.input("<BS>")
+    wait_until(lambda: editor.tick() != tick0, 5, what="the backspace")
+    assert editor.ghost()["text"] == shown and lua_current(editor)["kind"] == "cache"  # at once, from the cache
+    settle(editor)
+    if other and other["kind"] == "complete" and other["text"]:  # retyped: that answer comes back too
+        tick0 = editor.tick()
+        editor.nvim.input(wrong)
+        wait_until(lambda: editor.tick() != tick0, 5, what="the retype")
+        assert editor.ghost()["text"] == expand(other["text"])
+        settle(editor)
+    st = status(editor)
+    assert st["counts"]["sent"] == sent0 and st["counts"]["cache_hits"] >= 1
+
+
+# -- Context, privacy, priming, the next line ----------------------------------------------
+
+
+HELPER = "def helper_alpha(x):\n    return x * 42\n\n\ndef helper_beta(y):\n    return [y] * 3\n"
+SECRET = "API_KEY=sk-very-secret-1234567890\nDB_PASSWORD=hunter2\n"
+
+
+def test_context_from_other_buffers_is_sent_and_stays_the_same(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=8, debounce_ms=10)
+    capture(editor)
+    helper, secret, main = tmp_path / "helpers.py", tmp_path / ".env", tmp_path / "main.py"
+    editor.open_python(helper, HELPER)
+    editor.open_python(secret, SECRET)  # filetype python too: only its name keeps it out
+    third = tmp_path / "third.py"  # loaded, never entered: its snippet is read, not picked
+    third.write_text("def gamma_util():\n    return 'gamma'\n")
+    third_buf = editor.lua("""local b = vim.fn.bufadd(...); vim.fn.bufload(b); vim.bo[b].buflisted = true
+        vim.bo[b].filetype = 'python'; return b""", str(third))
+    start_typing(editor, main)
+    for i, ch in enumerate("return helper_"):
+        if i == 5:  # another buffer changes meanwhile (a rename, :bufdo): the list does not, mid-insert
+            editor.lua("vim.api.nvim_buf_set_lines(..., 0, -1, false, {'def delta_util():', '    pass'})", third_buf)
+        tick0 = editor.tick()
+        editor.nvim.input(keys(ch))
+        settle(editor, tick0)
+    requests = [m for m in sent(editor) if m["document"]["uri"] == uri_of(main)]
+    assert len(requests) >= 5
+    context = requests[0].get("context")
+    assert context and any(c["uri"] == uri_of(helper) and "helper_alpha" in c["text"] for c in context), context
+    assert any(c["uri"] == uri_of(third) and "gamma_util" in c["text"] for c in context), context
+    assert all(m.get("context") == context for m in requests)  # the same chunks, keystroke after keystroke
+    # A new insert takes the change in.
+    editor.nvim.input("<Esc>o")
+    wait_until(lambda: "delta_util" in json.dumps(sent(editor)[-1].get("context")), 10,
+               what="the next insert's context")
+    everything = json.dumps(editor.lua("return _G.sent"))
+    assert "sk-very-secret" not in everything and "hunter2" not in everything and "/.env" not in everything
+    assert len(context) <= 64
+
+
+def test_secret_files_are_never_completed(server, editor, tmp_path):
+    setup(editor, server, max_tokens=8, debounce_ms=10)
+    capture(editor)
+    assert editor.lua("return require('completer').statusline()") == "completer: ready"
+    for name in (".env", "server.pem", "id_rsa", "prod.key", ".env.local"):
+        start_typing(editor, tmp_path / name, SECRET)
+        for ch in "X=1":
+            editor.nvim.input(keys(ch))
+        time.sleep(0.3)
+        assert editor.lua("return require('completer').statusline()") == "completer: excluded"
+        assert "excluded by" in editor.lua("return require('completer').blocked()")
+        editor.nvim.input("<Esc>")
+    assert sent(editor) == [] and status(editor)["counts"]["sent"] == 0  # not a request, not a prime
+    # Per filetype and per glob, from the options.
+    setup(editor, server, max_tokens=8, debounce_ms=10, filetypes={"python": False}, exclude=["*.txt"])
+    assert editor.lua("return require('completer').blocked()") == "filetype python is off"
+    (tmp_path / "notes.txt").write_text("x\n")
+    editor.nvim.command(f"edit {tmp_path / 'notes.txt'}")
+    assert editor.lua("return require('completer').blocked()") == "excluded by *.txt"
+    (tmp_path / "main.go").write_text("x\n")
+    editor.nvim.command(f"edit {tmp_path / 'main.go'}")
+    assert editor.lua("return require('completer').blocked()") is None
+
+
+def test_entering_a_buffer_primes_the_server(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=8, debounce_ms=10)
+    capture(editor)
+    main, other = tmp_path / "primed.py", tmp_path / "other.py"
+    body = "def total(rows):\n    total = 0\n" + "".join(f"    total += rows[{i}] * {i + 3}\n" for i in range(40)) \
+        + "    return total"
+    editor.open_python(main, body)
+    editor.nvim.command("normal! G$")
+    editor.open_python(other, "x = 1\n")
+    editor.nvim.command(f"buffer {main}")  # back at the end of CODE: primed there
+    results = lambda: editor.lua("return require('completer').results()")  # noqa: E731
+    request = wait_until(lambda: next((m for m in sent(editor) if m["document"]["uri"] == uri_of(main)
+                                       and m["document"]["prefix"] == body[:-1]), None), 10, what="the prime")
+    assert request["max_tokens"] == 0
+    prime = wait_until(lambda: next((r for r in results() if r["id"] == request["id"]), None), 10,
+                       what="the prime's done")
+    assert prime["kind"] == "prime" and prime["type"] == "done", prime
+    assert prime["text"] == "" and prime["timings"]["generated_tokens"] == 0
+    editor.nvim.input("i")  # where the prime was (with SPM templates the suffix comes first: it must match)
+    cur = type_until_completion(editor, "x_")
+    done = next(r for r in results() if r["id"] == cur["id"])
+    # Nothing of this file was asked for before but the prime: all but the
+    # end of the prompt comes from it.
+    assert done["timings"]["cached_tokens"] >= 0.8 * done["timings"]["prompt_tokens"], done["timings"]
+
+
+def test_after_a_whole_accept_the_next_line_is_ready(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=16, prime=False)
+    capture(editor)
+    start_typing(editor, tmp_path / "spec.py")
+    for attempt in ("retur", "x = ", "print("):
+        cur = type_until_completion(editor, attempt, usable=lambda t: "\n" not in t)
+        editor.nvim.input("<Tab>")
+        spec = wait_until(lambda: next((m for m in sent(editor) if m.get("supersede") is False
+                                        and int(m["id"]) > int(cur["id"])), None), 5, what="the speculative request")
+        indent = editor.nvim.current.line[:len(editor.nvim.current.line) - len(editor.nvim.current.line.lstrip())]
+        assert spec["document"]["prefix"].endswith("\n" + indent)
+        results = lambda: editor.lua("return require('completer').results()")  # noqa: E731
+        done = wait_until(lambda: next((r for r in results() if r["id"] == spec["id"]), None), 10,
+                          what="its answer")
+        assert done["type"] == "done" and done["reason"] != "cancelled"  # the request for here did not end it
+        if not done["text"]:
+            editor.nvim.input("<CR>")
+            continue
+        before = len(sent(editor))
+        tick0 = editor.tick()
+        editor.nvim.input("<CR>")
+        wait_until(lambda: editor.tick() != tick0, 5, what="Enter")
+        assert editor.ghost()["text"] == expand(done["text"])  # shown on Enter, from the speculative answer
+        settle(editor)
+        assert len(sent(editor)) == before  # nothing asked for the new line
+        return
+    pytest.fail("no speculative answer had text")
+
+
+# -- Keys for users who map their own, health, statusline, debounce -------------------------
+
+
+def test_plug_mappings_and_visible(server, editor, tmp_path):
+    setup(editor, server, mode="free", max_tokens=40, keymaps=False)
+    # No default keys (Neovim 0.11 maps <Tab> itself, for snippets: that one stays).
+    assert not editor.nvim.funcs.maparg("<Tab>", "i", False, True).get("desc", "").startswith("completer")
+    for lhs, plug in (("<C-l>", "accept"), ("<C-k>", "accept-word"), ("<C-j>", "dismiss")):
+        editor.nvim.command(f"imap {lhs} <Plug>(completer-{plug})")
+    start_typing(editor, tmp_path / "plug.py")
+    cur = type_until_completion(editor, "for ", usable=lambda t: len(next_word(t)) < len(t))
+    assert editor.lua("return require('completer').visible()")
+    before = editor.buffer_text()
+    word = next_word(cur["text"])
+    editor.nvim.input("<C-k>")
+    wait_until(lambda: editor.buffer_text() == before + word, 5, what="accept word")
+    editor.nvim.input("<C-l>")
+    wait_until(lambda: editor.buffer_text() == before + cur["text"], 5, what="accept")
+    cur = type_until_completion(editor, " x = y")
+    editor.nvim.input("<C-j>")
+    wait_until(lambda: editor.ghost() is None, 5, what="dismiss")
+    assert not editor.lua("return require('completer').visible()")
+
+
+def test_checkhealth(server, editor, tmp_path):
+    setup(editor, server, debounse_ms=5)  # a typo: reported, not fatal
+    editor.nvim.command("checkhealth completer")
+    out = editor.buffer_text()
+    assert "completer" in out and "Neovim" in out, out
+    assert "options are valid" in out and "unknown options" in out and "debounse_ms" in out, out
+    assert "token from setup()" in out and "is reachable" in out and "connected: completer/" in out, out
+    assert "ERROR" not in out, out
+
+
+def test_checkhealth_without_a_server(editor, tmp_path):
+    editor.setup(url=f"ws://127.0.0.1:{free_port()}/v1/ws", token=TOKEN, reconnect_min_ms=60000,
+                 reconnect_max_ms=60000)
+    editor.nvim.command("checkhealth completer")
+    out = editor.buffer_text()
+    assert "does not answer" in out and "ERROR" in out, out
+
+
+def test_adaptive_debounce(editor):
+    delays = editor.lua("""
+        local Debounce = require('completer.debounce')
+        local d = Debounce.new(10, 200)
+        local out = { d:delay() }               -- nothing known yet: the middle
+        d:latency(20); out[2] = d:delay()        -- a fast server: ask at once
+        for _ = 1, 20 do d:latency(500) end
+        out[3] = d:delay()                       -- a slow one: wait longer, up to the maximum
+        for t = 0, 2000, 80 do d:keystroke(t) end
+        out[4] = d:delay()                       -- but not past 1.5 keystroke gaps
+        local f = Debounce.new(10, 200)
+        for _ = 1, 10 do f:latency(2) end
+        out[5] = f:delay()                       -- never under the minimum
+        return out""")
+    assert delays == [105, 20, 200, 120, 10]
+
+
+def test_adaptive_debounce_follows_the_server(server, editor, tmp_path):
+    setup(editor, server, mode="line", max_tokens=8)  # debounce_ms unset: adaptive
+    start_typing(editor, tmp_path / "ad.py")
+    type_until_completion(editor, "return os.path")
+    st = status(editor)["debounce"]
+    wanted = st["latency_ms"] if st.get("typing_gap_ms") is None else min(st["latency_ms"], 1.5 * st["typing_gap_ms"])
+    assert st["delay_ms"] == math.floor(min(200, max(10, wanted)) + 0.5), st
+
+
 # -- Latency ------------------------------------------------------------------------------
 
 TYPED = ("def parse_config(path):\n"
@@ -461,6 +965,16 @@ TYPED = ("def parse_config(path):\n"
          "    return {k: v for k, v in data.items() if v}\n")
 
 
+def keystrokes(text: str) -> list[str]:
+    """`text` as typed, with a typo fixed now and then (a wrong letter, then backspace)."""
+    out = []
+    for i, ch in enumerate(text):
+        if i % 13 == 7 and ch.isalpha():
+            out += ["Z" if ch != "Z" else "Q", "<BS>"]
+        out.append("<CR>" if ch == "\n" else keys(ch))
+    return out
+
+
 def percentiles(xs: list[float]) -> dict:
     xs = sorted(xs)
     rank = lambda p: xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]  # noqa: E731
@@ -468,24 +982,46 @@ def percentiles(xs: list[float]) -> dict:
             "n": len(xs)}
 
 
+def typing_run(ed: Editor, server, path: Path, **opts) -> dict:
+    """Type TYPED (with typos) into a fresh file, one keystroke at a time, each
+    once the plugin has settled; the plugin's figures."""
+    setup(ed, server, mode="line", max_tokens=16, prime=False, **opts)
+    start_typing(ed, path, "import json\nimport os\n\n\n")
+    ed.nvim.command("setlocal noautoindent nosmartindent indentexpr=")
+    ed.lua("require('completer').clear_latency()")
+    counts0 = status(ed)["counts"]
+    strokes = keystrokes(TYPED)
+    for key in strokes:
+        tick0 = ed.tick()
+        ed.nvim.input(key)
+        try:
+            settle(ed, tick0, 5)
+        except AssertionError:
+            pass  # a slow answer: the next keystroke goes on
+        time.sleep(0.02)
+    assert ed.buffer_text().endswith(TYPED), "the keystrokes did not all arrive"
+    counts = status(ed)["counts"]
+    delta = {k: counts[k] - counts0[k] for k in counts}
+    shows = ed.lua("return require('completer').ghost_latency()")
+    by_source = {src: percentiles([s["ms"] for s in shows if s["source"] == src])
+                 for src in sorted({s["source"] for s in shows})}
+    return {
+        "keystrokes": len(strokes), "counts": delta,
+        "requests_per_100_keystrokes": round(100 * (delta["sent"] + delta["speculative"]) / len(strokes), 1),
+        "keystroke_to_ghost": percentiles([s["ms"] for s in shows]) if shows else None,
+        "keystroke_to_ghost_by_source": by_source,
+        "cached_share": round(delta["cached_tokens"] / delta["prompt_tokens"], 3) if delta["prompt_tokens"] else None,
+        "records": ed.lua("return require('completer').latency()"),
+    }
+
+
 def test_latency_keystroke_to_ghost_text(server, editor, tmp_path):
     debounce = 50
-    setup(editor, server, mode="line", max_tokens=16, debounce_ms=debounce)
-    start_typing(editor, tmp_path / "lat.py", "import json\nimport os\n\n\n")
-    editor.nvim.command("setlocal noautoindent nosmartindent indentexpr=")
-    editor.lua("require('completer').clear_latency()")
-    for ch in TYPED:  # one keystroke, then let its request finish
-        sent = status(editor)["counts"]["sent"]
-        editor.nvim.input("<CR>" if ch == "\n" else keys(ch))
-        try:
-            wait_until(lambda: (c := lua_current(editor)) and int(c["id"]) > sent and c["done"], 5, 0.01)
-        except AssertionError:
-            pass  # no request (e.g. a state already left): the next keystroke goes on
-        time.sleep(0.03)
-    assert editor.buffer_text().endswith(TYPED), "the keystrokes did not all arrive"
-    records = editor.lua("return require('completer').latency()")
-    sent = status(editor)["counts"]["sent"]
-    assert len(TYPED) >= 100 and sent >= 0.9 * len(TYPED)
+    # Every keystroke asks (type-through, the cache and context off): the bare round trip.
+    bare = typing_run(editor, server, tmp_path / "lat.py", debounce_ms=debounce, type_through=False, cache_size=0,
+                      speculative=False, context={"enabled": False})
+    records, sent = bare["records"], bare["counts"]["sent"]
+    assert sent >= 0.9 * bare["keystrokes"]
     assert len(records) >= 0.5 * sent, f"only {len(records)} of {sent} requests showed ghost text"
     for r in records:  # the server's interval lies inside the client's
         assert r["ttft_ms"] <= r["send_to_shown_ms"] <= r["key_to_shown_ms"], r
@@ -498,17 +1034,58 @@ def test_latency_keystroke_to_ghost_text(server, editor, tmp_path):
         "request_to_first_frame": percentiles([r["send_to_first_recv_ms"] for r in records]),
         "keystroke_to_request": percentiles([r["key_to_shown_ms"] - r["send_to_shown_ms"] for r in records]),
     }
+    # The same keystrokes with type-through and the cache on (the defaults), in a fresh Neovim.
+    (tmp_path / "b").mkdir()
+    ed2 = Editor(tmp_path / "b", env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(tmp_path / "config")})
+    try:
+        served = typing_run(ed2, server, tmp_path / "b" / "lat.py", debounce_ms=debounce, context={"enabled": False})
+        no_errors(ed2)
+    finally:
+        ed2.close()
+    assert served["counts"]["sent"] < sent  # typed-through and cached keystrokes ask for nothing
+    figures = {
+        "keystrokes": bare["keystrokes"],
+        "requests_per_100_keystrokes": {"type_through_and_cache_off": bare["requests_per_100_keystrokes"],
+                                        "type_through_and_cache_on": served["requests_per_100_keystrokes"]},
+        "keystroke_to_ghost_ms": {"type_through_and_cache_off": bare["keystroke_to_ghost"],
+                                  "type_through_and_cache_on": served["keystroke_to_ghost"]},
+        "keystroke_to_ghost_ms_by_source_on": served["keystroke_to_ghost_by_source"],
+        "cache_hits": served["counts"]["cache_hits"], "typed_through_chars": served["counts"]["typed"],
+        "cached_share_of_prompt_tokens_context_off": bare["cached_share"],
+    }
     report = {
-        "neovim": editor.nvim.api.exec("version", True).splitlines()[1].strip(),
-        "keystrokes": len(TYPED), "requests": sent, "requests_with_ghost_text": len(records),
+        "neovim": editor.lua("local v = vim.version() return ('NVIM v%d.%d.%d'):format(v.major, v.minor, v.patch)"),
+        "keystrokes": bare["keystrokes"], "requests": sent, "requests_with_ghost_text": len(records),
         "debounce_ms_setting": debounce, "mode": "line", "max_tokens": 16,
         "notes": "client_overhead = request_to_ghost - server_ttft (network both ways, WebSocket, JSON, "
-                 "scheduling, extmark); keystroke_to_ghost includes the debounce (keystroke_to_request).",
-        "ms": ms,
+                 "scheduling, extmark); keystroke_to_ghost includes the debounce (keystroke_to_request). "
+                 "figures: the same keystrokes (typos fixed with backspace included) with type-through and the "
+                 "cache off, then on; keystroke_to_ghost there counts every completion shown (requested or "
+                 "cached) and every keystroke typed through one (its rest drawn in the same tick).",
+        "ms": ms, "figures": figures,
     }
     out = ROOT / "test-artifacts" / "neovim_latency.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("\n" + "\n".join(f"{k:>24}: p50 {v['p50']:8.2f} ms  p99 {v['p99']:8.2f} ms  (n={v['n']})"
                            for k, v in ms.items()))
+    print(json.dumps(figures, indent=2))
     assert ms["client_overhead"]["p50"] < 25, ms
+
+
+def test_cached_share_of_prompt_tokens_with_context(server, editor, tmp_path):
+    """With context on (another buffer of the same filetype loaded), the
+    server still finds most of each prompt cached: the context stays put."""
+    (tmp_path / "helpers.py").write_text(HELPER)
+    editor.nvim.command(f"edit {tmp_path / 'helpers.py'}")
+    editor.nvim.command("set filetype=python")
+    run = typing_run(editor, server, tmp_path / "ctx.py", debounce_ms=50, type_through=False, cache_size=0)
+    assert run["counts"]["sent"] > 50
+    contexts = editor.lua("return require('completer').context()")
+    assert contexts and any("helper_alpha" in c["text"] for c in contexts)
+    print(f"\ncached share of prompt tokens, context on: {run['cached_share']}"
+          f" ({run['counts']['cached_tokens']} of {run['counts']['prompt_tokens']})")
+    out = ROOT / "test-artifacts" / "neovim_context_cache.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({k: v for k, v in run.items() if k != "records"}, indent=2) + "\n")
+    assert run["cached_share"] >= 0.8, run["counts"]

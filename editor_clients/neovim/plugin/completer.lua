@@ -21,8 +21,18 @@ local function status_text()
   if st.retry_in_ms then parts[#parts + 1] = ('next try in %.1f s'):format(st.retry_in_ms / 1000) end
   if st.token_source then parts[#parts + 1] = 'token: ' .. st.token_source end
   local c = st.counts
-  parts[#parts + 1] = ('requests %d, shown %d, accepted %d, dismissed %d'):format(c.sent, c.shown, c.accepted,
-    c.dismissed)
+  parts[#parts + 1] = ('requests %d, shown %d, accepted %d, typed through %d chars, dismissed %d'):format(c.sent,
+    c.shown, c.accepted, c.typed, c.dismissed)
+  parts[#parts + 1] = ('cache hits %d, primed %d, speculative %d, timed out %d, dead connections %d'):format(
+    c.cache_hits, c.primed, c.speculative, c.timeouts, st.dead or 0)
+  if c.prompt_tokens > 0 then
+    parts[#parts + 1] = ('prompt tokens %d, %.0f%% of them cached by the server'):format(c.prompt_tokens,
+      100 * c.cached_tokens / c.prompt_tokens)
+  end
+  local fixed = require('completer').config().debounce_ms
+  parts[#parts + 1] = ('debounce %d ms%s'):format(fixed or st.debounce.delay_ms, fixed and ' (fixed)' or ' (adaptive)')
+  local blocked = require('completer').blocked()
+  if blocked then parts[#parts + 1] = 'this buffer is not sent: ' .. blocked end
   local l = st.last_latency
   if l then
     parts[#parts + 1] = ('last: server ttft %.1f ms, request to ghost text %.1f ms, keystroke to ghost text %.1f ms')

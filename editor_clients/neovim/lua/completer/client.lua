@@ -1,6 +1,13 @@
 -- The connection to `completer serve`: connect, say hello, reconnect with
 -- exponential backoff, and hand every decoded message to the plugin. Quiet by
 -- design: a server that is down shows in :CompleterStatus, not in messages.
+--
+-- A connection can die without a close (the machine slept, a tunnel or NAT
+-- dropped it, the server froze): TCP then reports nothing for minutes, writes
+-- vanish and requests hang. The server pings every connection every 20 s, so
+-- a healthy one is never silent for long: after `silence_ms` without a byte,
+-- or when a request overruns its deadline (probe()), we ping, and no answer
+-- within `pong_timeout_ms` means dead: the socket is dropped and we reconnect.
 local config = require('completer.config')
 local websocket = require('completer.websocket')
 local uv = vim.loop
@@ -12,11 +19,12 @@ Client.__index = Client
 M.CLIENT_NAME = 'neovim/0.1.0'
 M.PROTOCOL = 1
 
---- handlers: on_message(msg, recv_ns), on_disconnect()
+--- handlers: on_message(msg, recv_ns), on_disconnect(), on_open() (optional)
 function M.new(cfg, handlers)
   return setmetatable({
     cfg = cfg, h = handlers, state = 'disconnected', attempts = 0, stopped = true,
     last_error = nil, server = nil, connects = 0, last_attempt_ns = 0, warned_auth = false,
+    dead = 0, -- connections found dead by the liveness check
   }, Client)
 end
 
@@ -32,6 +40,7 @@ end
 function Client:stop()
   self.stopped = true
   self:_cancel_retry()
+  self:_unwatch()
   if self.conn then
     local conn = self.conn
     self.conn = nil
@@ -88,6 +97,8 @@ function Client:_connect()
       self.state, self.attempts, self.last_error = 'open', 0, nil
       self.connects = self.connects + 1
       conn:send_text(vim.json.encode({ type = 'hello', client = M.CLIENT_NAME, protocol = M.PROTOCOL }))
+      self:_watch(conn)
+      if self.h.on_open then self.h.on_open() end
     end,
     on_message = function(text, recv_ns, binary)
       if self.conn ~= conn or binary then return end
@@ -104,6 +115,7 @@ function Client:_connect()
     on_close = function(code, reason, cerr, http_status)
       if self.conn ~= conn then return end
       local was_open = self.state == 'open'
+      self:_unwatch()
       self.conn, self.state = nil, 'disconnected'
       self.last_error = cerr or ('closed by the server (%s %s)'):format(tostring(code), reason or '')
       if http_status == 401 then
@@ -134,6 +146,55 @@ function Client:_schedule_retry()
   end))
 end
 
+function Client:_watch(conn)
+  self:_unwatch()
+  self.probe_since = nil
+  local c = self.cfg
+  -- Often enough to notice a missing pong near its timeout, and at least once a second.
+  local every = math.floor(math.max(50, math.min(1000, c.pong_timeout_ms / 4, c.silence_ms / 4)))
+  self.watch_timer = uv.new_timer()
+  self.watch_timer:start(every, every, vim.schedule_wrap(function() self:_check(conn) end))
+end
+
+function Client:_unwatch()
+  if self.watch_timer then
+    self.watch_timer:stop()
+    self.watch_timer:close()
+    self.watch_timer = nil
+  end
+  self.probe_since = nil
+end
+
+function Client:_check(conn)
+  -- (conn.state is 'closed' from the moment it is aborted; on_close comes later)
+  if self.conn ~= conn or self.state ~= 'open' or conn.state ~= 'open' then return end
+  local now = websocket.wall_ms()
+  local heard = conn.heard_ms or now
+  if self.probe_since then
+    if heard >= self.probe_since then
+      self.probe_since = nil -- answered: alive
+    elseif now - self.probe_since >= self.cfg.pong_timeout_ms then
+      self:_dead(('no answer from the server for %.0f s (a ping got no pong within %d ms)')
+        :format((now - heard) / 1000, self.cfg.pong_timeout_ms))
+    end
+  elseif now - heard >= self.cfg.silence_ms then
+    self:probe()
+  end
+end
+
+--- Ping the server now, unless a ping already waits for its answer (a
+--- request overran its deadline: the connection may be dead).
+function Client:probe()
+  if not self:is_open() or self.conn.state ~= 'open' or self.probe_since then return end
+  self.probe_since = websocket.wall_ms()
+  if not self.conn:ping('completer') then self:_dead('the connection failed while pinging the server') end
+end
+
+function Client:_dead(why)
+  self.dead = self.dead + 1
+  self.conn:abort(why) -- on_close follows: disconnected, then a reconnect
+end
+
 --- Send one message (a table); false when not connected.
 function Client:send(msg)
   if not self:is_open() then return false end
@@ -143,7 +204,7 @@ end
 function Client:status()
   return {
     state = self.state, url = self.cfg.url, error = self.last_error, server = self.server,
-    token_source = self.token_source, connects = self.connects, attempts = self.attempts,
+    token_source = self.token_source, connects = self.connects, attempts = self.attempts, dead = self.dead,
     retry_in_ms = self.retry_at and math.max(0, math.floor((self.retry_at - uv.hrtime()) / 1e6)) or nil,
   }
 end

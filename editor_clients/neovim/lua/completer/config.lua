@@ -2,21 +2,47 @@
 -- the server URL and the bearer token.
 local M = {}
 
+-- Files never sent, as a document or as context: secrets. A glob with a `/`
+-- matches the whole path, one without the file's name (case-insensitive).
+M.SECRETS = {
+  '.env', '.env.*', '*.env', '.envrc', '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', 'id_rsa*',
+  'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk', '.netrc', '_netrc', '.pgpass', '.git-credentials', '.npmrc',
+  '.pypirc', 'credentials', 'credentials.*', '*credentials*.json', 'secrets', 'secrets.*', '*.secret', '*.secrets',
+  '*secret*.json', '*secret*.y*ml', '*.gpg', '*.asc', '*.kdbx',
+  '*.tfstate', '*.tfvars', '**/.ssh/*', '**/.aws/*', '**/.gnupg/*', '**/.docker/config.json', '**/.kube/config',
+}
+
 M.defaults = {
   url = 'ws://127.0.0.1:8750/v1/ws', -- the server's WebSocket endpoint (ws:// only)
   token = nil, -- bearer token; nil: $COMPLETER_TOKEN, then token_file
   token_file = nil, -- nil: $XDG_CONFIG_HOME/completer/token or ~/.config/completer/token
   token_in_query = false, -- send ?token= instead of the Authorization header
   enabled = true, -- start enabled (:CompleterToggle flips it)
-  debounce_ms = 50, -- quiet time after a keystroke before a request is sent
+  debounce_ms = nil, -- a number: fixed wait after a keystroke; nil: adaptive, within the two below
+  debounce_min_ms = 10,
+  debounce_max_ms = 200,
   mode = 'auto', -- 'auto' (block on a blank line, else line), 'line', 'block' or 'free'
   max_tokens = nil, -- nil: the server's default
   temperature = nil, -- nil: the server's default (0, greedy)
   deadline_ms = nil, -- nil: the server's default
   stop = nil, -- extra stop strings (a list)
-  max_lines = 2000, -- lines sent before and after the cursor (0: the whole buffer)
+  max_lines = 2000, -- at least this many lines sent before and after the cursor (0: the whole buffer)
   filetypes = { ['*'] = true, help = false, gitcommit = false, gitrebase = false, TelescopePrompt = false },
-  keymaps = { -- false disables one; each falls back to the key's own action when nothing is shown
+  exclude = M.SECRETS, -- path globs never sent (replacing the list drops these defaults)
+  include = nil, -- a list of path globs: only matching files are completed and sent as context
+  type_through = true, -- typing what the ghost text begins with consumes it (no new request)
+  cache_size = 256, -- recent completions kept for backspace-and-retype and revisits (0: none)
+  prime = true, -- warm the server's cache for a buffer when it is entered (max_tokens 0)
+  speculative = true, -- after a whole accept at a line's end, ask for the next line ahead
+  context = { -- snippets of other code sent with each request (:help completer-context)
+    enabled = true,
+    max_chunks = 8, -- at most this many (the protocol allows 64)
+    chunk_lines = 32, -- lines per snippet
+    max_chars = 4000, -- characters of all snippets together
+    buffers = 3, -- other loaded buffers of the same filetype that give a snippet each
+  },
+  hide_during_pum = true, -- no ghost text while a popup menu is open
+  keymaps = { -- false disables one; each falls back to the key's previous mapping, or the key itself
     accept = '<Tab>',
     accept_word = '<M-Right>',
     accept_line = '<M-C-Right>',
@@ -26,7 +52,16 @@ M.defaults = {
   reconnect_min_ms = 250, -- first reconnect delay; doubles up to reconnect_max_ms
   reconnect_max_ms = 30000,
   connect_timeout_ms = 3000,
+  silence_ms = 25000, -- this long without a frame from the server: ping it (it pings every 20 s)
+  pong_timeout_ms = 5000, -- no answer to that ping within this: the connection is dead, reconnect
+  request_timeout_margin_ms = 2000, -- a request past its deadline (or 2 s) plus this is given up
   latency_records = 1000, -- per-request timings kept for require('completer').latency()
+}
+
+-- Options whose default is nil, with the type they take.
+local OPTIONAL = {
+  token = 'string', token_file = 'string', debounce_ms = 'number', max_tokens = 'number', temperature = 'number',
+  deadline_ms = 'number', stop = 'table', include = 'table',
 }
 
 local islist = vim.islist or vim.tbl_islist -- vim.tbl_islist is deprecated from 0.10 on
@@ -34,7 +69,9 @@ local islist = vim.islist or vim.tbl_islist -- vim.tbl_islist is deprecated from
 local function merge(base, over)
   local out = vim.deepcopy(base)
   for k, v in pairs(over or {}) do
-    if type(v) == 'table' and type(out[k]) == 'table' and not islist(v) then
+    -- A table of named options (context, keymaps, filetypes) is merged key by
+    -- key; a list (exclude, stop) is replaced.
+    if type(v) == 'table' and type(out[k]) == 'table' and not islist(out[k]) then
       out[k] = merge(out[k], v)
     else
       out[k] = v
@@ -45,21 +82,56 @@ end
 
 local MODES = { auto = true, line = true, block = true, free = true }
 
---- The options: the defaults with `opts` merged in; a wrong type is an error
---- naming the option.
+local function check(name, value, want)
+  if type(value) ~= want then
+    error(('completer: option %s must be a %s, not %s'):format(name, want, type(value)), 4)
+  end
+end
+
+local function check_list(name, value)
+  if value == nil then return end
+  check(name, value, 'table')
+  for _, v in ipairs(value) do check(name .. '[]', v, 'string') end
+end
+
+--- The options: the defaults with `opts` merged in (a list replaces a
+--- list); a wrong type is an error naming the option.
 function M.build(opts)
   local cfg = merge(M.defaults, opts)
   for name, value in pairs(cfg) do
     local default = M.defaults[name]
-    if default ~= nil and type(value) ~= type(default) and not (name == 'keymaps' and value == false) then
-      error(('completer: option %s must be a %s, not %s'):format(name, type(default), type(value)), 3)
+    if default ~= nil and not (name == 'keymaps' and value == false) then
+      check(name, value, type(default))
+      if type(default) == 'table' and not islist(default) then
+        for k, v in pairs(value) do
+          -- (false switches one key off)
+          if default[k] ~= nil and not (name == 'keymaps' and v == false) then
+            check(name .. '.' .. k, v, type(default[k]))
+          end
+        end
+      end
+    elseif OPTIONAL[name] and value ~= nil then
+      check(name, value, OPTIONAL[name])
     end
   end
+  check_list('exclude', cfg.exclude)
+  check_list('include', cfg.include)
+  check_list('stop', cfg.stop)
   if not MODES[cfg.mode] then
     error("completer: option mode must be 'auto', 'line', 'block' or 'free'", 3)
   end
   if cfg.keymaps == false then cfg.keymaps = {} end
   return cfg
+end
+
+--- Option names in `opts` that are not options (a typo is otherwise silent).
+function M.unknown(opts)
+  local out = {}
+  for name in pairs(opts or {}) do
+    if M.defaults[name] == nil and not OPTIONAL[name] then out[#out + 1] = tostring(name) end
+  end
+  table.sort(out)
+  return out
 end
 
 --- { scheme, host, port, path } of a ws:// URL, or nil and a message.

@@ -1,7 +1,9 @@
 -- Ghost text with extmarks: the completion's first line at the cursor (inline
 -- virtual text on Neovim >= 0.10; before that overlay at the end of a line, or
 -- after the line's end when the cursor is inside it), further lines as
--- virt_lines below. One extmark, replaced as deltas stream in.
+-- virt_lines below. One extmark, updated in place (same id) as deltas stream
+-- in or typing consumes it: it is never absent between two redraws, so the
+-- ghost text does not flicker.
 local api = vim.api
 
 local M = {}
@@ -32,7 +34,11 @@ function M.show(buf, row, col, text, hl)
   local line = api.nvim_buf_get_lines(buf, row, row + 1, false)[1] or ''
   col = math.min(col, #line)
   local opts = { hl_mode = 'combine', priority = 65000 }
-  M.clear() -- redraws come after this tick, so replacing the mark does not flicker
+  if current and current.buf == buf and api.nvim_buf_is_valid(buf) then
+    opts.id = current.id
+  else
+    M.clear()
+  end
   if lines[1] ~= '' then
     opts.virt_text = { { expand_tabs(lines[1], ts), hl } }
     opts.virt_text_pos = M.position(col, #line)

@@ -1,213 +1,48 @@
 -- completer for Neovim: ask `completer serve` for a completion after a pause
--- in insert-mode typing, stream it in as ghost text, accept all of it, a word
--- or a line, and tell the server what was kept (feedback).
+-- in insert-mode typing (or serve it from a cache of recent ones), stream it
+-- in as ghost text, let typing consume it, accept all of it, a word or a
+-- line, and tell the server what was kept (feedback). This file is the
+-- public API and the wiring; core.lua holds a completion's life.
 local config = require('completer.config')
+local core = require('completer.core')
 local ghost = require('completer.ghost')
-local text = require('completer.text')
+local keymaps = require('completer.keymaps')
+local replies = require('completer.replies')
+local privacy = require('completer.privacy')
 local Client = require('completer.client')
+local Cache = require('completer.cache')
+local Context = require('completer.context')
+local Debounce = require('completer.debounce')
 local api, uv = vim.api, vim.loop
 
 local M = {}
+local S = core.S
 
-local S = {
-  cfg = nil, client = nil, enabled = false, timer = nil,
-  req = nil, -- the request whose completion is (or will be) shown
-  requests = {}, -- id -> request, until its done/error
-  next_id = 0, last_key_ns = nil, pending_key = nil, pending_key_ns = nil,
-  results = {}, latency = {}, counts = { sent = 0, shown = 0, accepted = 0, dismissed = 0 },
-}
+M.dismiss = core.dismiss
+M.visible = core.visible
 
-local function now() return uv.hrtime() end
-
-local function cursor_state()
-  local buf = api.nvim_get_current_buf()
-  local pos = api.nvim_win_get_cursor(0)
-  local row, col = pos[1] - 1, pos[2]
-  return buf, row, col, ('%d:%d:%d:%d'):format(buf, row, col, api.nvim_buf_get_changedtick(buf))
-end
-
-local function in_insert() return vim.fn.mode():sub(1, 1) == 'i' end
-
-local function remaining(req) return req.text:sub(req.consumed + 1) end
-
-local function allowed(buf)
-  if vim.bo[buf].buftype ~= '' or not vim.bo[buf].modifiable then return false end
-  local ft = S.cfg.filetypes[vim.bo[buf].filetype]
-  if ft == nil then ft = S.cfg.filetypes['*'] end
-  return ft ~= false
-end
-
--- Feedback goes out once per shown completion, after its `done` (the server
--- only counts completions it has finished).
-local function feedback(req, accepted)
-  if not req.t_shown or req.feedback_sent then return end
-  if req.done then
-    req.feedback_sent = true
-    S.client:send({ type = 'feedback', id = req.id, accepted_chars = accepted })
-  else
-    req.feedback_pending = accepted
-  end
-end
-
-local function cancel(req)
-  if not req.done and not req.cancel_sent then
-    req.cancel_sent = true
-    S.client:send({ type = 'cancel', id = req.id })
-  end
-end
-
---- Hide the ghost text, cancel its request if still running, report feedback.
-function M.dismiss()
-  local req = S.req
-  S.req = nil
-  ghost.clear()
-  if req then
-    if req.t_shown and req.accepted == 0 then S.counts.dismissed = S.counts.dismissed + 1 end
-    cancel(req)
-    feedback(req, req.accepted)
-  end
-end
-
-local function render(req)
-  local buf, row, col, key = cursor_state()
-  if key ~= req.key or not in_insert() then return end
-  local rest = remaining(req)
-  if rest == '' then return ghost.clear() end
-  if ghost.show(buf, row, col, rest, S.cfg.hl_group) and not req.t_shown then
-    req.t_shown = now()
-    S.counts.shown = S.counts.shown + 1
-  end
-end
-
-local function trigger()
-  if not S.enabled or not in_insert() then return end
-  local buf, row, col, key = cursor_state()
-  if key ~= S.pending_key or not allowed(buf) then return end
-  if not S.client:is_open() then return S.client:ensure() end
-  S.next_id = S.next_id + 1
-  local req = { id = tostring(S.next_id), key = key, text = '', deltas = {}, consumed = 0, accepted = 0,
-    t_key = S.pending_key_ns, t_trigger = now() }
-  local doc = text.document(buf, row, col, S.cfg.max_lines)
-  local c = S.cfg
-  req.t_send = now() -- before the write: the server's ttft interval lies inside send..shown
-  local ok = S.client:send({
-    type = 'complete', id = req.id, document = doc, mode = text.mode(c.mode, doc.prefix),
-    max_tokens = c.max_tokens, temperature = c.temperature, deadline_ms = c.deadline_ms,
-    stop = (c.stop and #c.stop > 0) and c.stop or nil,
-  })
-  if not ok then return end
-  S.counts.sent = S.counts.sent + 1
-  S.requests[req.id], S.req = req, req
-end
-
--- Any edit or cursor move in insert mode: drop what is shown and start the
--- debounce again (a state already handled, e.g. after accept word, is kept).
-local function on_edit(entering)
-  if not S.enabled or not (entering or in_insert()) then return end
-  local _, _, _, key = cursor_state()
-  if (S.req and S.req.key == key) or S.pending_key == key then return end
-  M.dismiss()
-  S.pending_key, S.pending_key_ns, S.last_key_ns = key, S.last_key_ns or now(), nil
-  S.timer:stop()
-  uv.update_time() -- the loop's clock may be stale: the debounce counts from now
-  S.timer:start(S.cfg.debounce_ms, 0, vim.schedule_wrap(trigger))
-end
-
-local function on_leave()
-  S.timer:stop()
-  S.pending_key = nil
-  M.dismiss()
-end
-
-local function record_latency(req, msg)
-  local t = type(msg.timings) == 'table' and msg.timings or nil
-  if not (req.t_shown and t and t.ttft_ms) then return end
-  local ms = function(a, b) return (a and b) and (b - a) / 1e6 or nil end
-  table.insert(S.latency, {
-    id = req.id, reason = msg.reason, ttft_ms = t.ttft_ms, server_total_ms = t.total_ms,
-    debounce_ms = ms(req.t_key, req.t_trigger), key_to_shown_ms = ms(req.t_key, req.t_shown),
-    send_to_shown_ms = ms(req.t_send, req.t_shown), send_to_first_recv_ms = ms(req.t_send, req.t_first_recv),
-  })
-  while #S.latency > S.cfg.latency_records do table.remove(S.latency, 1) end
-end
-
-local function on_message(msg, recv_ns)
-  local req = type(msg.id) == 'string' and S.requests[msg.id] or nil
-  if not req then return end
-  if msg.type == 'delta' and type(msg.text) == 'string' then
-    req.text = req.text .. msg.text
-    req.deltas[#req.deltas + 1] = msg.text
-    req.t_first_recv = req.t_first_recv or recv_ns
-    if S.req == req then render(req) end
-  elseif msg.type == 'done' or msg.type == 'error' then
-    S.requests[msg.id] = nil
-    req.done = msg
-    if msg.type == 'done' and type(msg.text) == 'string' then
-      req.text = msg.text
-      record_latency(req, msg)
-    end
-    table.insert(S.results, { id = req.id, type = msg.type, text = msg.text, reason = msg.reason,
-      code = msg.code, deltas = req.deltas, timings = msg.timings, shown = req.t_shown ~= nil,
-      cancel_sent = req.cancel_sent == true })
-    if #S.results > 50 then table.remove(S.results, 1) end
-    if req.feedback_pending then feedback(req, req.feedback_pending) end
-    if S.req == req then render(req) end
-  end
-end
-
-local function on_disconnect()
-  for id, req in pairs(S.requests) do
-    req.done = { type = 'error', id = id, code = 'disconnected' }
-  end
-  S.requests = {}
-end
-
+-- Accept from Lua (a mapping of your own, :lua): the keys go through the
+-- <Plug> mapping, so undo and `.` behave as with the default keys.
 local function accept(kind)
-  local req = S.req
-  if not req or remaining(req) == '' then return false end
-  local rest = remaining(req)
-  local piece = kind == 'word' and text.next_word(rest) or kind == 'line' and text.next_line(rest) or rest
-  local buf, row, col = cursor_state()
-  ghost.clear()
-  text.insert(buf, row, col, piece)
-  req.consumed = req.consumed + #piece
-  req.accepted = req.accepted + text.chars(piece)
-  S.counts.accepted = S.counts.accepted + 1
-  if kind == 'all' or (req.done and remaining(req) == '') then
-    S.req = nil
-    cancel(req)
-    feedback(req, req.accepted)
-  else
-    local _, _, _, key = cursor_state()
-    req.key = key
-    render(req)
-  end
+  if not core.visible() then return false end
+  api.nvim_feedkeys(api.nvim_replace_termcodes(keymaps.PLUG[kind], true, true, true), 'm', false)
   return true
 end
 
 --- Insert the whole completion shown (true), or nothing when none is (false).
-function M.accept() return accept('all') end
-function M.accept_word() return accept('word') end
-function M.accept_line() return accept('line') end
+function M.accept() return accept('accept') end
+function M.accept_word() return accept('accept_word') end
+function M.accept_line() return accept('accept_line') end
 
---- True when ghost text is shown.
-function M.visible() return S.req ~= nil and ghost.text() ~= nil end
-
--- Each key does its action while ghost text is shown, else what it does
--- without the plugin (the expr mapping returns the key itself, not remapped).
-local function map_keys()
-  for _, lhs in ipairs(S.mapped or {}) do pcall(vim.keymap.del, 'i', lhs) end
-  S.mapped = {}
-  for _, name in ipairs({ 'accept', 'accept_word', 'accept_line', 'dismiss' }) do
-    local lhs = S.cfg.keymaps[name]
-    if lhs then
-      vim.keymap.set('i', lhs, function()
-        if M.visible() then return ('<Cmd>lua require("completer").%s()<CR>'):format(name) end
-        return lhs
-      end, { expr = true, silent = true, desc = 'completer: ' .. name })
-      table.insert(S.mapped, lhs)
-    end
-  end
+--- Ask for a completion here now, without the debounce.
+function M.complete()
+  if not S.enabled or not core.in_insert() or not S.client:is_open() then return end
+  local snap = core.snapshot()
+  if not core.allowed(snap.buf) then return end
+  core.dismiss()
+  S.timer:stop() -- the debounce would ask again for the same place
+  S.pending_key = nil
+  core.request_now(snap, uv.hrtime())
 end
 
 function M.enable()
@@ -219,7 +54,7 @@ end
 function M.disable()
   if not S.cfg then return end
   S.enabled = false
-  on_leave()
+  core.on_leave()
 end
 
 function M.toggle()
@@ -240,41 +75,136 @@ function M.status()
   st.enabled, st.counts = S.enabled, vim.deepcopy(S.counts)
   local n = #S.latency
   st.last_latency = n > 0 and S.latency[n] or nil
+  st.debounce = S.debounce:state()
+  st.cache = { entries = #S.cache.order, hits = S.cache.hits, misses = S.cache.misses }
   return st
 end
 
---- The last finished request: id, type, text (done.text), reason, deltas, timings.
+--- A short word for a statusline: 'off', 'offline', 'excluded' (this
+--- buffer is not sent), 'busy' (waiting for the server) or 'ready'; with the
+--- prefix given (default 'completer: ').
+function M.statusline(prefix)
+  prefix = prefix or 'completer: '
+  if not S.cfg or not S.enabled then return prefix .. 'off' end
+  if not S.client:is_open() then return prefix .. 'offline' end
+  if not core.allowed(api.nvim_get_current_buf()) then return prefix .. 'excluded' end
+  local req = S.req
+  if (req and not req.done) or S.pending_key then return prefix .. 'busy' end
+  return prefix .. 'ready'
+end
+
+--- True while a keystroke waits for its debounce or the completion shown is
+--- still streaming (tests wait on it).
+function M.busy()
+  return S.pending_key ~= nil or (S.req ~= nil and S.req.done == nil)
+end
+
+--- The last finished request: id, kind, type, text (done.text), reason, deltas, timings.
 function M.last_result() return S.results[#S.results] end
 --- The last 50 finished requests, oldest first.
 function M.results() return S.results end
---- The request shown now: id, text so far, consumed (bytes accepted), done; nil if none.
+--- The request shown now: id, text, consumed (bytes typed or accepted), done; nil if none.
 function M.current()
   local r = S.req
-  return r and { id = r.id, text = r.text, consumed = r.consumed, done = r.done ~= nil, shown = r.t_shown ~= nil }
+  return r and { id = r.id, kind = r.kind, text = r.text, consumed = r.consumed, done = r.done ~= nil,
+    shown = r.t_shown ~= nil }
 end
 --- The completion text shown now (nil when none).
 function M.ghost_text() return ghost.text() end
 --- Per-request timings (ms): ttft_ms (server), debounce_ms, key_to_shown_ms, send_to_shown_ms.
 function M.latency() return S.latency end
-function M.clear_latency() S.latency = {} end
+--- Keystroke to ghost text (ms) of every completion shown and every
+--- keystroke typed through one, with its source: 'complete' (a request),
+--- 'cache', 'type_through'.
+function M.ghost_latency() return S.shows end
+function M.clear_latency()
+  S.latency, S.shows = {}, {}
+end
+--- The context the next request in `buf` (default: the current one) would carry.
+function M.context(buf)
+  buf = buf or api.nvim_get_current_buf()
+  local n = api.nvim_buf_line_count(buf)
+  local row = buf == api.nvim_get_current_buf() and api.nvim_win_get_cursor(0)[1] - 1 or 0
+  return S.context:items(buf, require('completer.text').window(row, n, S.cfg.max_lines))
+end
+--- Why `buf` is not completed (a short reason), or nil when it is.
+function M.blocked(buf) return S.cfg and privacy.blocked(buf or api.nvim_get_current_buf(), S.cfg) end
+--- The options in force (after setup()).
+function M.config() return S.cfg end
+
+local function autocmds()
+  local group = api.nvim_create_augroup('completer', { clear = true })
+  local function au(events, fn)
+    api.nvim_create_autocmd(events, { group = group, callback = function(ev) fn(ev) end })
+  end
+  au('InsertEnter', function()
+    S.context:changed() -- picked up while out of insert mode: fixed for this insert
+    core.on_edit(true)
+  end)
+  au({ 'TextChangedI', 'TextChangedP', 'CursorMovedI' }, function() core.on_edit(false) end)
+  au('InsertLeave', function(ev)
+    core.on_leave()
+    S.context:pick_changed(ev.buf)
+  end)
+  au('BufLeave', function(ev)
+    core.on_leave()
+    S.context:pick_cursor(ev.buf)
+  end)
+  au('TextYankPost', function(ev)
+    if vim.v.event.operator == 'y' then S.context:pick_changed(ev.buf) end
+  end)
+  au({ 'BufEnter', 'BufWinEnter' }, function(ev)
+    S.context:changed()
+    -- After the other BufEnter handlers (filetype, cursor restore) are done.
+    vim.schedule(function() core.prime(ev.buf) end)
+  end)
+  au({ 'BufDelete', 'BufWipeout', 'FileType' }, function(ev)
+    S.primed[ev.buf] = nil
+    S.context:changed()
+  end)
+  au('CompleteChanged', function()
+    if S.cfg.hide_during_pum then ghost.clear() end
+  end)
+  au('CompleteDone', function() vim.schedule(function() if core.in_insert() then core.refresh() end end) end)
+  au('VimLeavePre', function() S.client:stop() end)
+  -- nvim-cmp draws its own menu (no CompleteChanged) and says when instead;
+  -- only if it is loaded already (requiring it here would load it early).
+  local cmp = package.loaded.cmp
+  if type(cmp) == 'table' and cmp.event and not S.cmp_hooked then
+    S.cmp_hooked = true
+    pcall(function()
+      cmp.event:on('menu_opened', function() if S.cfg.hide_during_pum then ghost.clear() end end)
+      cmp.event:on('menu_closed', function()
+        vim.schedule(function() if core.in_insert() then core.refresh() end end)
+      end)
+    end)
+  end
+  au('ColorScheme', function() vim.cmd('highlight default link ' .. S.cfg.hl_group .. ' Comment') end)
+end
 
 function M.setup(opts)
   local cfg = config.build(opts) -- raises on a bad option, before anything changes
-  if S.client then S.client:stop() end
-  S.cfg = cfg
+  if S.client then
+    core.on_leave()
+    S.client:stop()
+  end
+  S.requests, S.req, S.spec, S.prime_unsupported = {}, nil, nil, nil
+  S.cfg, S.opts = cfg, opts or {}
   S.timer = S.timer or uv.new_timer()
-  S.client = Client.new(S.cfg, { on_message = on_message, on_disconnect = on_disconnect })
-  vim.cmd('highlight default link ' .. S.cfg.hl_group .. ' Comment')
-  local group = api.nvim_create_augroup('completer', { clear = true })
-  local au = function(events, fn) api.nvim_create_autocmd(events, { group = group, callback = function() fn() end }) end
-  au('InsertEnter', function() on_edit(true) end)
-  au({ 'TextChangedI', 'TextChangedP', 'CursorMovedI' }, on_edit)
-  au({ 'InsertLeave', 'BufLeave' }, on_leave)
-  au('VimLeavePre', function() S.client:stop() end)
-  au('ColorScheme', function() vim.cmd('highlight default link ' .. S.cfg.hl_group .. ' Comment') end)
-  vim.on_key(function() S.last_key_ns = now() end, ghost.ns)
-  map_keys()
-  if S.cfg.enabled then M.enable() else S.enabled = false end
+  S.debounce = Debounce.new(cfg.debounce_min_ms, cfg.debounce_max_ms)
+  S.cache = Cache.new(cfg.cache_size)
+  S.context = Context.new(cfg)
+  S.primed = {}
+  S.client = Client.new(cfg, {
+    on_message = replies.on_message, on_disconnect = replies.on_disconnect,
+    on_open = function() vim.schedule(function() core.prime(api.nvim_get_current_buf()) end) end,
+  })
+  vim.cmd('highlight default link ' .. cfg.hl_group .. ' Comment')
+  autocmds()
+  vim.on_key(function() S.last_key_ns = uv.hrtime() end, ghost.ns)
+  keymaps.define_plugs()
+  keymaps.map(cfg.keymaps)
+  if cfg.enabled then M.enable() else S.enabled = false end
 end
 
 M._state = S

@@ -2,6 +2,8 @@
 -- handshake with the Sec-WebSocket-Accept check, masked client frames,
 -- reassembly of fragmented messages, ping/pong and the closing handshake.
 -- Callbacks run on Neovim's main loop (vim.schedule), never in a fast event.
+-- `heard_ms` is when the last bytes came in (any frame: data, ping, pong), so
+-- the client above can tell a silent, half-open connection from a live one.
 local bit = require('bit')
 local sha1 = require('completer.sha1')
 local uv = vim.loop
@@ -9,6 +11,14 @@ local uv = vim.loop
 local M = {}
 local Conn = {}
 Conn.__index = Conn
+
+--- Wall-clock milliseconds: unlike uv.hrtime, it counts the time the machine
+--- slept, and a connection is as likely to be dead after a suspend as after
+--- the same time awake.
+function M.wall_ms()
+  local s, us = uv.gettimeofday()
+  return s * 1000 + us / 1000
+end
 
 local OP = { cont = 0, text = 1, binary = 2, close = 8, ping = 9, pong = 10 }
 M.OP = OP
@@ -141,6 +151,7 @@ function Conn:_on_read(err, chunk)
   if err or not chunk then
     return self:_fail(err and ('read error: ' .. err) or 'connection lost')
   end
+  self.heard_ms = M.wall_ms()
   self.buf = self.buf .. chunk
   if self.state == 'connecting' then
     local stop = self.buf:find('\r\n\r\n', 1, true)
@@ -259,6 +270,17 @@ end
 function Conn:send_frame(opcode, payload, fin)
   if self.state ~= 'open' then return false end
   return self:_write(M.encode_frame(opcode, payload, fin))
+end
+
+--- Send a ping (the server's pong, like any frame, updates heard_ms).
+function Conn:ping(payload)
+  return self:send_frame(OP.ping, payload or '')
+end
+
+--- Drop the connection without a closing handshake (the peer no longer
+--- answers, so waiting for its close would only add a second of silence).
+function Conn:abort(err)
+  self:_finish(1006, '', err)
 end
 
 --- Start the closing handshake; the socket is closed when the server answers

@@ -1,0 +1,336 @@
+-- The life of a completion: asked for after a pause in typing (or served at
+-- once from the cache), streamed in as ghost text, typed through, accepted
+-- whole, by word or by line, dismissed, and reported back (`feedback`).
+-- init.lua wires these to autocommands; accept.lua holds the accept keys,
+-- replies.lua what the server sends back.
+local ghost = require('completer.ghost')
+local text = require('completer.text')
+local privacy = require('completer.privacy')
+local api, uv = vim.api, vim.loop
+
+local M = {}
+
+-- Set up by init.setup(): cfg, client, timer, debounce, cache, context.
+local S = {
+  cfg = nil, client = nil, enabled = false,
+  req = nil, -- the completion shown (or to be shown when it streams in)
+  requests = {}, -- id -> request, until its done/error
+  spec = nil, -- the speculative "next line" request, until adopted or replaced
+  accepting = nil, -- the piece an accept key is inserting
+  next_id = 0, last_key_ns = nil, pending_key = nil, pending_key_ns = nil, last_edit_key = nil,
+  results = {}, latency = {}, shows = {},
+  counts = { sent = 0, shown = 0, accepted = 0, dismissed = 0, typed = 0, cache_hits = 0, primed = 0,
+    speculative = 0, timeouts = 0, prompt_tokens = 0, cached_tokens = 0 },
+  primed = {}, -- buf -> the state last primed
+}
+M.S = S
+
+local function now() return uv.hrtime() end
+local function ms(a, b) return (a and b) and (b - a) / 1e6 or nil end
+
+function M.in_insert() return vim.fn.mode():sub(1, 1) == 'i' end
+
+local function snapshot()
+  local buf = api.nvim_get_current_buf()
+  local pos = api.nvim_win_get_cursor(0)
+  return text.snapshot(buf, pos[1] - 1, pos[2])
+end
+M.snapshot = snapshot
+
+-- The exact state (buffer, cursor, change): autocommands that fire twice for
+-- one change (TextChangedI, then CursorMovedI) are handled once.
+function M.state_key(snap)
+  return ('%d:%d:%d:%d'):format(snap.buf, snap.row, snap.col, snap.tick or -1)
+end
+
+function M.remaining(req) return req.text:sub(req.consumed + 1) end
+
+function M.allowed(buf) return privacy.completes(buf, S.cfg) end
+
+--- True while a popup menu is open (the built-in one, or nvim-cmp's): ghost
+--- text would fight it for the same keys and the same space.
+function M.pum_open()
+  if vim.fn.pumvisible() == 1 then return true end
+  local cmp = package.loaded.cmp
+  if cmp and type(cmp.visible) == 'function' then
+    local ok, v = pcall(cmp.visible)
+    return ok and v == true
+  end
+  return false
+end
+
+-- Whether `req` still applies at `snap`: the user has only typed (or
+-- accepted) text it begins with since it was asked for. Updates how much of
+-- it is consumed; false when the state has moved elsewhere.
+function M.follow(req, snap)
+  local typed = text.typed_since(req.origin, snap)
+  if not typed then return false end
+  local at = req.base + #typed
+  if req.text:sub(req.base + 1, at) ~= typed then return false end
+  -- Without type-through only an accept (which moves `consumed` first) may advance.
+  if at ~= req.consumed and not S.cfg.type_through then return false end
+  req.consumed = at
+  return true
+end
+
+-- Keystroke to ghost text, for every completion drawn and every keystroke
+-- typed through one (its rest is drawn in that keystroke's own tick).
+local function note_show(source, t_key, t_shown)
+  if not t_key then return end
+  table.insert(S.shows, { source = source, ms = ms(t_key, t_shown) })
+  while #S.shows > S.cfg.latency_records do table.remove(S.shows, 1) end
+end
+
+function M.render(req, snap)
+  if S.req ~= req or not M.in_insert() then return end
+  if S.cfg.hide_during_pum and M.pum_open() then return ghost.clear() end
+  local rest = M.remaining(req)
+  if rest == '' then return ghost.clear() end
+  if ghost.show(snap.buf, snap.row, snap.col, rest, S.cfg.hl_group) and not req.t_shown then
+    req.t_shown = now()
+    if req.kind ~= 'cache' then S.counts.shown = S.counts.shown + 1 end
+    note_show(req.kind, req.t_key, req.t_shown)
+  end
+end
+
+--- Re-draw what is shown, if it still applies where the cursor is.
+function M.refresh()
+  local req = S.req
+  if not req then return ghost.clear() end
+  local snap = snapshot()
+  if M.follow(req, snap) then M.render(req, snap) else M.dismiss() end
+end
+
+function M.cancel(req)
+  if not req.done and not req.cancel_sent then
+    req.cancel_sent = true
+    S.client:send({ type = 'cancel', id = req.id })
+  end
+end
+
+-- The feedback owed for `req`, sent once its `done` is in (the server only
+-- counts finished completions): how much was accepted with the keys, how
+-- much typed through, and whether it was ever drawn.
+function M.finish(req)
+  if req.finished or req.kind == 'prime' or req.kind == 'cache' then return end
+  if not req.done then
+    req.finish_pending = true
+    return
+  end
+  req.finished = true
+  if req.done.type ~= 'done' or (req.done.text or '') == '' then return end
+  local kept = text.chars(req.text:sub(1, req.consumed))
+  local typed = math.max(0, kept - req.accepted)
+  if req.t_shown then
+    S.counts.typed = S.counts.typed + typed
+    if req.accepted == 0 and typed == 0 then S.counts.dismissed = S.counts.dismissed + 1 end
+  end
+  S.client:send({ type = 'feedback', id = req.id, accepted_chars = req.accepted, typed_chars = typed,
+    shown = req.t_shown ~= nil })
+end
+
+--- Hide the ghost text, cancel its request if still running, report feedback.
+function M.dismiss()
+  local req = S.req
+  S.req = nil
+  ghost.clear()
+  if req then
+    M.cancel(req)
+    M.finish(req)
+  end
+end
+
+local function new_request(kind, snap)
+  local id
+  if kind == 'cache' then -- never sent: an id of its own kind, not one of the server's
+    S.cache_seq = (S.cache_seq or 0) + 1
+    id = 'cache:' .. S.cache_seq
+  else
+    S.next_id = S.next_id + 1
+    id = tostring(S.next_id)
+  end
+  return { id = id, kind = kind, origin = snap, key = text.key(snap), text = '', deltas = {},
+    base = 0, consumed = 0, accepted = 0 }
+end
+
+-- Ask the server. `kind`: 'complete' (shown), 'prime' (max_tokens 0: warm
+-- the server's cache, nothing comes back), 'spec' (a speculative request for
+-- the line Enter would open, kept for the cache). `doc_snap` is where the
+-- cursor is now; `snap` the state the completion is for (differs for 'spec').
+local function send(kind, doc_snap, snap, extra_prefix)
+  local c = S.cfg
+  local req = new_request(kind, snap)
+  local doc, first, last = text.document(doc_snap.buf, doc_snap.row, doc_snap.col, c.max_lines)
+  if extra_prefix then doc.prefix = doc.prefix .. extra_prefix end
+  local context = S.context:items(doc_snap.buf, first, last)
+  local msg = {
+    type = 'complete', id = req.id, document = doc, mode = text.mode(c.mode, snap.before, snap.after),
+    max_tokens = c.max_tokens, temperature = c.temperature, deadline_ms = c.deadline_ms,
+    stop = (c.stop and #c.stop > 0) and c.stop or nil, context = #context > 0 and context or nil,
+  }
+  req.uri = doc.uri
+  if kind == 'prime' then
+    msg.max_tokens = 0
+  elseif kind == 'spec' then
+    msg.supersede = false -- the request for where the cursor is goes on
+  else
+    for _, r in pairs(S.requests) do
+      -- A prime still prefilling this document: let it finish (its prompt
+      -- is this request's) rather than end it.
+      if r.kind == 'prime' and r.uri == doc.uri then msg.supersede = false end
+    end
+  end
+  req.t_send = now() -- before the write: the server's ttft interval lies inside send..shown
+  -- Past its deadline plus a margin a request is given up, and the connection probed.
+  req.timeout_at = req.t_send + ((c.deadline_ms or 2000) + c.request_timeout_margin_ms) * 1e6
+  if not S.client:send(msg) then return nil end
+  S.requests[req.id] = req
+  require('completer.replies').watch_timeouts() -- (replies requires this module)
+  return req
+end
+
+--- Send a completion request for where the cursor is now (no debounce).
+function M.request_now(snap, t_key)
+  local req = send('complete', snap, snap)
+  if not req then return end
+  S.counts.sent = S.counts.sent + 1
+  req.t_key, req.t_trigger = t_key, now()
+  S.req = req
+  return req
+end
+
+-- The debounce ran out: ask, unless the state moved on meanwhile.
+function M.trigger()
+  local pending = S.pending_key
+  S.pending_key = nil
+  if not S.enabled or not M.in_insert() then return end
+  local snap = snapshot()
+  if M.state_key(snap) ~= pending or not M.allowed(snap.buf) then return end
+  if not S.client:is_open() then return S.client:ensure() end
+  M.request_now(snap, S.pending_key_ns)
+end
+
+-- After a whole completion is accepted at the end of a line, the next thing
+-- typed is likely Enter: ask now for the line it would open, without ending
+-- the request for where the cursor is (supersede false, so it is sent after
+-- that one), and keep the answer in the cache, where Enter finds it.
+function M.speculate(snap)
+  if not S.cfg.speculative or S.cfg.cache_size <= 0 or snap.after ~= '' or not S.client:is_open() then return end
+  local next_snap = text.after_enter(snap)
+  if S.cache:peek(text.key(next_snap)) then return end
+  M.drop_spec()
+  local req = send('spec', snap, next_snap, '\n' .. next_snap.indent)
+  if req then
+    S.counts.speculative = S.counts.speculative + 1
+    S.spec = req
+  end
+end
+
+--- Give up the speculative request: cancelled if running, reported as never
+--- shown (its answer stays in the cache, served without feedback).
+function M.drop_spec()
+  local spec = S.spec
+  S.spec = nil
+  if spec then
+    M.cancel(spec)
+    M.finish(spec)
+  end
+end
+
+-- Show a completion for `snap` without asking the server: from the cache, or
+-- the speculative request if it was for here. True when one is shown.
+function M.serve(snap, t_key)
+  local e, back = S.cache:lookup(snap)
+  if e then
+    local r = e.req
+    if r and not r.finished and S.req ~= r then
+      -- Its feedback is still owed (a speculative answer, say): show that
+      -- request again, so what is kept of it is reported.
+      if S.spec == r then S.spec = nil end
+      r.origin, r.base, r.consumed, r.kind, r.served = snap, back, back, 'complete', true
+    else
+      r = new_request('cache', snap)
+      r.text, r.done = e.text:sub(back + 1), { type = 'done', text = e.text }
+    end
+    r.t_key = t_key
+    S.counts.cache_hits = S.counts.cache_hits + 1
+    S.req = r
+    M.render(r, snap)
+    return true
+  end
+  local spec = S.spec
+  if spec and not spec.done and spec.key == text.key(snap) then -- still streaming, for here
+    S.spec = nil
+    spec.kind, spec.served, spec.t_key, spec.t_trigger = 'complete', true, t_key, now()
+    S.req = spec
+    M.render(spec, snap)
+    return true
+  end
+  return false
+end
+
+--- Warm the server's cache for where the cursor of `buf` is (a buffer just
+--- opened or entered): a request with max_tokens 0, whose prompt (the same
+--- document and context the next completion will send) the server keeps.
+function M.prime(buf)
+  if not (S.enabled and S.cfg.prime and S.client and S.client:is_open()) or S.prime_unsupported then return end
+  -- An unnamed buffer has nothing worth warming yet (and no file to return to).
+  if buf ~= api.nvim_get_current_buf() or api.nvim_buf_get_name(buf) == '' or not M.allowed(buf) then return end
+  local snap = snapshot()
+  local key = M.state_key(snap)
+  if S.primed[buf] == key then return end
+  if send('prime', snap, snap) then
+    S.primed[buf] = key
+    S.counts.primed = S.counts.primed + 1
+  end
+end
+
+--- Any edit or cursor move in insert mode.
+function M.on_edit(entering)
+  if not S.enabled or not (entering or M.in_insert()) then return end
+  local snap = snapshot()
+  local skey = M.state_key(snap)
+  if skey == S.last_edit_key then return end
+  S.last_edit_key = skey
+  local t_key = S.last_key_ns or now()
+  S.last_key_ns = nil
+  S.debounce:keystroke(t_key / 1e6)
+  local req = S.req
+  local was = req and req.consumed
+  if req and M.follow(req, snap) then
+    -- Typed (or accepted) what the completion begins with: keep showing the
+    -- rest, no new request; a completion typed through to its end is over.
+    if M.remaining(req) ~= '' or not req.done then
+      S.timer:stop()
+      S.pending_key = nil
+      M.render(req, snap)
+      if req.consumed > was and ghost.text() then note_show('type_through', t_key, now()) end
+      return
+    end
+    S.req = nil
+    ghost.clear()
+    M.finish(req)
+  elseif req then
+    M.dismiss()
+  end
+  S.timer:stop()
+  S.pending_key = nil
+  if not M.allowed(snap.buf) or M.serve(snap, t_key) then return end
+  S.pending_key, S.pending_key_ns = skey, t_key
+  local delay = S.cfg.debounce_ms or S.debounce:delay()
+  uv.update_time() -- the loop's clock may be stale: the debounce counts from now
+  S.timer:start(delay, 0, vim.schedule_wrap(M.trigger))
+end
+
+function M.on_leave()
+  if S.timer then S.timer:stop() end
+  S.pending_key, S.last_edit_key = nil, nil
+  M.dismiss()
+  M.drop_spec()
+end
+
+--- True when ghost text is shown.
+function M.visible() return S.req ~= nil and ghost.text() ~= nil end
+
+M.now, M.ms = now, ms
+return M
