@@ -1,4 +1,4 @@
-"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`, `[disagg]`.
+"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`, `[compat]`, `[disagg]`.
 
 Every key has a default here; a config file or `--set section.key=value`
 overrides it. An unknown section or key, a value of the wrong type, or values
@@ -59,12 +59,23 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
 
 
+class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The llama.cpp- and OpenAI-compatible HTTP routes (`server/compat/`), on a listener of their own."""
+
+    enabled: bool = True
+    host: str = ""  # "" = server.host
+    # llama.vim's and llama.vscode's default endpoint is http://127.0.0.1:8012: their users change nothing.
+    port: int = 8012
+    max_inflight: int = 32  # requests in flight on these routes together; more get 429
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelSection = ModelSection()
     request: RequestSection = RequestSection()
     engine: EngineConfig = EngineConfig()
     spec: SpecConfig = SpecConfig()
     server: ServerSection = ServerSection()
+    compat: CompatSection = CompatSection()
     disagg: DisaggConfig = DisaggConfig()
 
 
@@ -82,7 +93,7 @@ MIN_PROMPT_TOKENS = 64
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSection, "request": RequestSection, "engine": EngineConfig, "spec": SpecConfig,
-    "server": ServerSection, "disagg": DisaggConfig,
+    "server": ServerSection, "compat": CompatSection, "disagg": DisaggConfig,
 }
 RENAMED = {"engine.max_tokens": "request.max_tokens", "engine.deadline_ms": "request.deadline_ms"}
 
@@ -175,6 +186,15 @@ def problems(config: Config) -> list[ConfigProblem]:
                 "send_queue_frames", "max_documents_per_connection"):
         if getattr(s, key) < 1:
             found.append(ConfigProblem((f"server.{key}",), f"server.{key} = {getattr(s, key)}: must be at least 1"))
+    c = config.compat
+    if not 0 <= c.port <= 65535:
+        found.append(ConfigProblem(("compat.port",), f"compat.port = {c.port}: must be 0 (any free port) to 65535"))
+    if c.max_inflight < 1:
+        found.append(ConfigProblem(("compat.max_inflight",), f"compat.max_inflight = {c.max_inflight}: "
+                                   "must be at least 1"))
+    if c.enabled and c.port and c.port == s.port and (c.host or s.host) == s.host:
+        found.append(ConfigProblem(("compat.port", "server.port"), f"compat.port = {c.port} is server.port: "
+                                   "the compatible routes need a port of their own"))
     if s.tls_key and not s.tls_cert:
         found.append(ConfigProblem(("server.tls_key", "server.tls_cert"),
                                    "server.tls_key is set but server.tls_cert is not: TLS needs both"))

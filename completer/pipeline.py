@@ -19,6 +19,7 @@ from completer.config import Config
 from completer.document import DocumentPrompt
 from completer.engine.engine import Engine, RequestStream
 from completer.engine.request import Mode, Request, SamplingParams
+from completer.engine.stopping import next_nonblank_line
 from completer.healing import back_off
 from completer.loading import LoadedModel
 from completer.prompt import Snippet
@@ -32,12 +33,13 @@ class RequestOptions(msgspec.Struct, frozen=True):
     """What a request may set; None takes the config's `[request]` default."""
 
     mode: Mode | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # 0: only prefill the prompt into the cache
     temperature: float = 0.0
     stop: tuple[str, ...] = ()
     deadline_ms: float | None = None
     seed: int | None = None
     cache_salt: str = ""  # who may share this request's cached prefix (see server.prefix_cache_scope)
+    n: int = 1  # completions wanted (the engine may return fewer)
 
 
 def display_path(uri: str) -> str | None:
@@ -82,14 +84,15 @@ class CompletionPipeline:
         d = self.defaults
         deadline_ms = d.deadline_ms if options.deadline_ms is None else options.deadline_ms
         # A request may ask for more than the default; the window still bounds prompt + completion.
-        max_tokens = min(options.max_tokens or d.max_tokens, self.window - len(tokens))
+        wanted = d.max_tokens if options.max_tokens is None else options.max_tokens
+        max_tokens = min(wanted, self.window - len(tokens))
         params = SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                                 mode=options.mode or d.mode, stop=options.stop, deadline_s=deadline_ms / 1000,
-                                seed=options.seed)
+                                seed=options.seed, n=options.n)
         prefix = document.prefix
         return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
-                       suffix=document.suffix[:SUFFIX_FOR_TRIMMING], heal=heal, arrival=arrival,
-                       cache_salt=options.cache_salt)
+                       suffix=document.suffix[:SUFFIX_FOR_TRIMMING], next_line=next_nonblank_line(document.suffix),
+                       heal=heal, arrival=arrival, cache_salt=options.cache_salt)
 
 
 class LocalCompleter:

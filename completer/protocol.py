@@ -31,6 +31,7 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS = 4096
 MAX_TEMPERATURE = 2.0
 MAX_DEADLINE_MS = 600_000.0
+MAX_CANDIDATES = 4  # `n`: each one more is a sequence decoded beside the first
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Uri = Annotated[str, Meta(max_length=MAX_URI_CHARS)]
@@ -61,12 +62,17 @@ class Complete(msgspec.Struct, tag="complete", tag_field="type", frozen=True):
     document: Document
     context: Annotated[list[ContextItem], Meta(max_length=MAX_CONTEXT_ITEMS)] = []
     mode: Literal["line", "block", "free"] = "line"
-    # None: the server's config. The bounds also keep out 1e400, which JSON
-    # numbers can spell but no float holds.
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None
+    # None: the server's config; 0: prefill the prompt into the cache, generate
+    # nothing (a client warms a file it opened). The bounds also keep out
+    # 1e400, which JSON numbers can spell but no float holds.
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
     stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     deadline_ms: Annotated[float, Meta(gt=0.0, le=MAX_DEADLINE_MS)] | None = None
+    # False: requests in flight for the same document go on (a speculative
+    # "next line" request sent after an accept must not end the one shown).
+    supersede: bool = True
+    n: Annotated[int, Meta(ge=1, le=MAX_CANDIDATES)] = 1  # completions wanted; `done.candidates` has the others
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
@@ -76,6 +82,10 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
 class Feedback(msgspec.Struct, tag="feedback", tag_field="type", frozen=True):
     id: RequestId
     accepted_chars: Annotated[int, Meta(ge=0)]
+    shown: bool = True  # False: the completion arrived but was never displayed (neither kept nor dismissed)
+    typed_chars: Annotated[int, Meta(ge=0)] = 0  # chars of it the user typed through: kept, not dismissed
+    # Which text the feedback is about, with `n` > 1: 0 is `done.text`, i is `done.candidates[i - 1]`.
+    candidate: Annotated[int, Meta(ge=0, lt=MAX_CANDIDATES)] = 0
 
 
 ClientMessage = Hello | Complete | Cancel | Feedback
@@ -100,11 +110,14 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type", frozen=True):
     text: str
 
 
-class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True):
+class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True, omit_defaults=True):
     id: str
     reason: Literal["stop", "length", "eos", "cancelled", "deadline"]
     text: str
     timings: Timings
+    # Only when the request asked for `n` > 1 (so older clients never see it):
+    # the other completions, most likely first token first; maybe fewer than n - 1.
+    candidates: list[str] | None = None
 
 
 ErrorCode = Literal["bad_request", "unsupported", "too_large", "overloaded", "internal"]

@@ -14,8 +14,8 @@ import msgspec
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as with_seed
 
-from completer.protocol import (CLIENT_TYPES, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_TOKENS, Cancel, Complete,
-                                ContextItem, Document, Feedback, Hello)
+from completer.protocol import (CLIENT_TYPES, MAX_CANDIDATES, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_TOKENS, Cancel,
+                                Complete, ContextItem, Document, Feedback, Hello)
 
 
 class Frame(msgspec.Struct, frozen=True):
@@ -127,8 +127,10 @@ MUTATIONS = {
     "complete": [
         (("temperature",), st.floats(max_value=0, exclude_max=True, **FLOATS)
          | st.floats(min_value=2, exclude_min=True, **FLOATS) | st.none() | TEXT, "temperature"),
-        (("max_tokens",), st.integers(max_value=0) | st.integers(MAX_TOKENS + 1, 2**200) | st.just(2.5) | TEXT,
-         "max_tokens"),
+        (("max_tokens",), st.integers(max_value=-1) | st.integers(MAX_TOKENS + 1, 2**200) | st.just(2.5) | TEXT,
+         "max_tokens"),  # 0 is valid: it primes the cache
+        (("n",), st.integers(max_value=0) | st.integers(MAX_CANDIDATES + 1, 2**200) | st.just(1.5) | TEXT, "n"),
+        (("supersede",), NOT_A_STRING | TEXT, "supersede"),
         (("deadline_ms",), st.floats(max_value=0, **FLOATS) | st.floats(min_value=MAX_DEADLINE_MS, exclude_min=True,
                                                                         **FLOATS) | TEXT, "deadline_ms"),
         (("id",), BAD_IDS, "id"),
@@ -145,13 +147,15 @@ MUTATIONS = {
         (("mode",), TEXT.filter(lambda m: m not in ("line", "block", "free")) | NOT_A_STRING, "mode"),
     ],
     "feedback": [(("accepted_chars",), st.integers(max_value=-1) | st.just(1.5) | NOT_A_NUMBER | st.just(DELETE),
-                  "accepted_chars"), (("id",), BAD_IDS, "id")],
+                  "accepted_chars"), (("id",), BAD_IDS, "id"),
+                 (("typed_chars",), st.integers(max_value=-1) | st.just(1.5) | NOT_A_NUMBER, "typed_chars"),
+                 (("shown",), st.integers() | TEXT, "shown")],
     "cancel": [(("id",), BAD_IDS, "id")],
 }
 NUMBER_MUTATIONS = [  # (field, the number as written, valid?) beyond what a float or the range holds
     ("temperature", "2.0000000000000004", False), ("temperature", "1e400", False), ("temperature", "-1e400", False),
     ("temperature", "-1e-400", True), ("temperature", "1E0", True), ("max_tokens", "1", True),
-    ("max_tokens", "-0", False), ("max_tokens", "1" + "0" * 30, False), ("max_tokens", "1e400", False),
+    ("max_tokens", "-0", True), ("max_tokens", "1" + "0" * 30, False), ("max_tokens", "1e400", False),
     ("max_tokens", "1.0", False), ("deadline_ms", "5e-324", True), ("deadline_ms", "600000", True),
     ("deadline_ms", "600000.0000001", False), ("deadline_ms", "-0.0", False), ("deadline_ms", "1e-400", False),
     ("deadline_ms", "1e400", False),

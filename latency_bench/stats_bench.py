@@ -1,5 +1,5 @@
 """What a /v1/stats call costs the event loop, by requests served in the last
-15 minutes: the per-second histograms it reads now (completer/server/metrics.py)
+15 minutes: the per-second histograms it reads now (completer/server/rolling_stats.py)
 against sorting every kept request per window and per 10 s step, as it did
 before. Both measured side by side, alternating, on the same requests (spread
 over the last 15 minutes); also what recording one request costs each.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from completer.server.metrics import SERIES_STEP_S, WINDOWS, Metrics, Record
+from completer.server.metrics import Metrics
+from completer.server.rolling_stats import SERIES_STEP_S, WINDOWS, Record
 
 
 class SortingStats:

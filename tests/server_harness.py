@@ -38,7 +38,8 @@ def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, por
     """`completer serve --model MODEL` with `--set` settings on `port` (0: an
     ephemeral one); yields once the models are loaded."""
     cmd = [sys.executable, "-m", "completer.cli", "serve", "--model", model, "--port", str(port), "--token", token]
-    for s in settings:
+    # The compatible routes on an ephemeral port too: 8012, their default, may be another server's.
+    for s in ("compat.port=0", *settings):
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -70,6 +71,23 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def scrape(server: ServerProcess) -> dict[str, float]:
+    """/metrics as {sample name + its labels as sorted JSON: value}."""
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = conn.getresponse().read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + (json.dumps(sample.labels, sort_keys=True) if sample.labels else "")
+            values[key] = sample.value
+    return values
 
 
 def connect(server: ServerProcess, token: str = TOKEN, **kwargs):
@@ -133,7 +151,7 @@ async def in_process_server(*settings: str, sock=None):
     from completer.config import load_config
     from completer.server.app import App
 
-    app = App(load_config(None, ['model.target="embedded"', *settings]), TOKEN)
+    app = App(load_config(None, ['model.target="embedded"', "compat.port=0", *settings]), TOKEN)
     if sock is None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -92,6 +92,9 @@ def test_a_flag_is_named_as_typed():
     ("server.tls_key=key.pem", ["server.tls_key", "server.tls_cert"]),
     ("model.order=xyz", ["model.order"]),
     ("model.template=nope", ["model.template"]),
+    ("compat.port=70000", ["compat.port"]),
+    ("compat.port=8750", ["compat.port", "server.port"]),
+    ("compat.max_inflight=0", ["compat.max_inflight"]),
 ])
 def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(override, keys):
     message = message_of([override])
@@ -104,7 +107,7 @@ def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(overr
     ["request.max_tokens=960"],  # leaves exactly the 64-token minimum to the prompt
     ["spec.k_init=8"], ["spec.k_max=0", "spec.k_init=0"], ["spec.ngram_min=1", "spec.ngram_max=1"],
     ["spec.draft_model=false", "spec.draft_share=0"],  # no drafter, no share to give it
-    ["server.port=0"], ["engine.threads=0"],
+    ["server.port=0"], ["engine.threads=0"], ["compat.port=0"], ["compat.enabled=false", "compat.port=8750"],
 ])
 def test_values_at_their_bounds_load(overrides):
     assert isinstance(load_config(CONFIGS / "default.toml", overrides), Config)

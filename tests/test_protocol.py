@@ -6,7 +6,7 @@ import json
 import pytest
 
 from completer.engine.sequence import Timings
-from completer.protocol import (MAX_CONTEXT_ITEMS, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_LANGUAGE_CHARS,
+from completer.protocol import (MAX_CANDIDATES, MAX_CONTEXT_ITEMS, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_LANGUAGE_CHARS,
                                 MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS, MAX_URI_CHARS, Cancel, Complete, Done,
                                 Error, Feedback, Hello, ModelNames, Ready, decode, encode)
 
@@ -166,8 +166,13 @@ CONTEXT_ITEM = {"uri": "file:///x.py", "text": "t"}
 @pytest.mark.parametrize("members, rid, needle", [
     ({"temperature": 2.000001}, "42", "$.temperature"),
     ({"temperature": -0.5}, "42", "$.temperature"),
-    ({"max_tokens": 0}, "42", "$.max_tokens"),
+    ({"max_tokens": -1}, "42", "$.max_tokens"),
     ({"max_tokens": MAX_TOKENS + 1}, "42", "$.max_tokens"),
+    ({"n": 0}, "42", "$.n"),
+    ({"n": MAX_CANDIDATES + 1}, "42", "$.n"),
+    ({"n": 2.0}, "42", "$.n"),
+    ({"supersede": "false"}, "42", "$.supersede"),
+    ({"supersede": 0}, "42", "$.supersede"),
     ({"max_tokens": 10**30}, "42", "$.max_tokens"),
     ({"deadline_ms": 0}, "42", "$.deadline_ms"),
     ({"deadline_ms": -1}, "42", "$.deadline_ms"),
@@ -195,9 +200,41 @@ def test_feedback_accepted_chars_must_not_be_negative():
     assert err == Error("42", "bad_request", err.message) and "`$.accepted_chars`" in err.message
 
 
+def test_the_optional_fields_default_so_older_clients_mean_what_they_meant():
+    msg = decode(complete_with())
+    assert isinstance(msg, Complete) and (msg.supersede, msg.n) == (True, 1)
+    feedback = decode('{"type": "feedback", "id": "42", "accepted_chars": 3}')
+    assert isinstance(feedback, Feedback)
+    assert (feedback.shown, feedback.typed_chars, feedback.candidate) == (True, 0, 0)
+    full = decode('{"type": "feedback", "id": "42", "accepted_chars": 0, "shown": false, "typed_chars": 5, '
+                  '"candidate": 3}')
+    assert full == Feedback("42", 0, shown=False, typed_chars=5, candidate=3)
+
+
+@pytest.mark.parametrize("members, needle", [
+    ({"typed_chars": -1}, "$.typed_chars"), ({"typed_chars": 1.5}, "$.typed_chars"),
+    ({"typed_chars": "3"}, "$.typed_chars"), ({"shown": "yes"}, "$.shown"), ({"shown": 1}, "$.shown"),
+    ({"candidate": -1}, "$.candidate"), ({"candidate": MAX_CANDIDATES}, "$.candidate"),
+])
+def test_feedback_fields_out_of_bounds_name_the_field(members, needle):
+    err = decode(json.dumps({"type": "feedback", "id": "42", "accepted_chars": 0, **members}))
+    assert isinstance(err, Error) and (err.id, err.code) == ("42", "bad_request"), err
+    assert f"`{needle}`" in err.message, err.message
+
+
+def test_done_carries_candidates_only_when_given():
+    timings = Timings(prompt_tokens=3)
+    plain = json.loads(encode(Done("42", "stop", "x", timings)))
+    assert "candidates" not in plain
+    with_none = json.loads(encode(Done("42", "stop", "x", timings, [])))
+    assert with_none["candidates"] == []
+    assert json.loads(encode(Done("42", "stop", "x", timings, ["y", "z"])))["candidates"] == ["y", "z"]
+
+
 @pytest.mark.parametrize("members", [
     {"temperature": 0}, {"temperature": 2}, {"temperature": -0.0}, {"temperature": 1e-40},
-    {"temperature": 5e-324}, {"max_tokens": 1}, {"max_tokens": MAX_TOKENS}, {"deadline_ms": MAX_DEADLINE_MS},
+    {"temperature": 5e-324}, {"max_tokens": 0}, {"max_tokens": 1}, {"max_tokens": MAX_TOKENS},
+    {"deadline_ms": MAX_DEADLINE_MS}, {"n": 1}, {"n": MAX_CANDIDATES}, {"supersede": False},
     {"deadline_ms": 5e-324}, {"id": "i" * MAX_ID_CHARS},
     {"document": {**COMPLETE["document"], "uri": "u" * MAX_URI_CHARS, "language": "l" * MAX_LANGUAGE_CHARS}},
     {"stop": ["s" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, {"context": [CONTEXT_ITEM] * MAX_CONTEXT_ITEMS},

@@ -109,7 +109,7 @@ async def test_deadline(server):
      "f", "bad_request"),
     (json.dumps({"type": "warp", "id": "w"}), "w", "unsupported"),
     (complete_msg("big", "x" * 30000), "big", "too_large"),
-    (complete_msg("neg", "x", max_tokens=0), "neg", "bad_request"),
+    (complete_msg("neg", "x", max_tokens=-1), "neg", "bad_request"),
 ])
 async def test_errors_keep_the_connection(server, frame, rid, code):
     async with connect(server) as ws:

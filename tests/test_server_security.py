@@ -9,11 +9,10 @@ import signal
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server_harness import (TOKEN, ServerProcess, collect, complete_msg, connect, in_process_server,
-                            never_reading_client, running_server, small_buffer_listener)
+                            never_reading_client, running_server, scrape, small_buffer_listener)
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 
@@ -97,18 +96,6 @@ async def test_client_library_sees_401():
             async with connect(s, token="bad"):
                 pass
         assert refused.value.response.status_code == 401
-
-
-def scrape(server) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-    text = conn.getresponse().read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + (json.dumps(sample.labels, sort_keys=True) if sample.labels else "")
-            values[key] = sample.value
-    return values
 
 
 def stats(server) -> dict:

@@ -18,7 +18,8 @@ def start(*args: str, env: dict | None = None, until: str = "listening on",
     """`completer serve --port 0 ARGS`, read until a line contains `until` or
     it exits: (the process, what it printed so far, stdout and stderr in
     order). The caller stops it (server_harness.stop_server)."""
-    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", *args]
+    # compat.port too: its default, 8012, may be another server's (and a start there would warn).
+    cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", "--set", "compat.port=0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     watchdog = threading.Timer(timeout, proc.kill)  # a start that hangs silently fails the test, late

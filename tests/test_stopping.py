@@ -3,12 +3,13 @@ UTF-8 never split, and deltas that always concatenate to the final text."""
 
 import pytest
 
-from completer.engine.stopping import OutputText, block_end, line_mode_end, repetition_start
+from completer.engine.stopping import (OutputText, block_end, line_mode_end, next_nonblank_line,
+                                       repetition_start)
 
 
-def stream(pieces: list[bytes], mode="line", stop=(), cursor_line="", suffix=""):
+def stream(pieces: list[bytes], mode="line", stop=(), cursor_line="", suffix="", next_line=""):
     """Feed byte pieces as tokens; returns (deltas, final text, ended early)."""
-    out = OutputText(lambda i: pieces[i], mode, stop, cursor_line, suffix)
+    out = OutputText(lambda i: pieces[i], mode, stop, cursor_line, suffix, next_line=next_line)
     deltas, ended = [], False
     for i in range(len(pieces)):
         delta, ended = out.add(i)
@@ -103,3 +104,47 @@ def test_token_healing_bytes_are_not_output():
     ("return x\n    y", 8), ("\n    return 1\nfoo", 13), ("  \n\n", None), ("abc", None)])
 def test_line_mode_end(text, end):
     assert line_mode_end(text) == end
+
+
+# -- a completion that repeats the file's next line ------------------------------------
+
+@pytest.mark.parametrize("suffix, line", [
+    ("rest of the cursor's line\n\n   \n    return x  \nmore", "return x"),
+    ("\n\tfoo()", "foo()"), ("only the cursor's line", ""), ("", ""), ("x\n\n \n", ""),
+])
+def test_next_nonblank_line(suffix, line):
+    assert next_nonblank_line(suffix) == line
+
+
+def test_a_line_equal_to_the_next_line_is_dropped_with_its_newline():
+    deltas, text, ended = stream(b("\n    y = 1", "\n    ", "return", " x", "\n", "    z"), mode="block",
+                                 cursor_line="def f(x):", next_line="return x")
+    assert text == "\n    y = 1" and ended
+    assert "return" not in "".join(deltas)  # held back while it could still be the next line, never sent
+
+
+def test_the_first_line_counts_the_text_before_the_cursor():
+    # The user typed "    ret" on a blank line above `return x`: "urn x" would repeat it.
+    deltas, text, ended = stream(b("urn", " x", "\n"), cursor_line="    ret", next_line="return x")
+    assert text == "" and deltas == [] and ended
+
+
+def test_a_last_line_ended_by_the_model_is_compared_too():
+    _, text, _ = stream(b("return", " x"), cursor_line="    ", next_line="return x")  # no newline: eos
+    assert text == ""
+
+
+def test_a_line_that_only_begins_like_the_next_line_is_sent_once_it_differs():
+    deltas, text, _ = stream(b("return", " y", "\n"), cursor_line="    ", next_line="return x")
+    assert text == "return y" and deltas == ["return y"]
+
+
+def test_a_completion_that_opens_a_new_line_keeps_the_cursor_line_as_it_is():
+    # The cursor ends a line equal to the next one: the empty first line repeats nothing.
+    _, text, _ = stream(b("\n", "y = 2", "\n"), cursor_line="x = compute()", next_line="x = compute()")
+    assert text == "\ny = 2"
+
+
+def test_free_mode_keeps_lines_that_repeat_the_next_line():
+    _, text, _ = stream(b("return x", "\n", "foo"), mode="free", cursor_line="    ", next_line="return x")
+    assert text == "return x\nfoo"

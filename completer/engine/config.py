@@ -29,6 +29,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # First tokens go out as soon as the prefill pass made them, and cancels that came
     # meanwhile apply before the decode pass (else both wait for the step's end).
     between_passes: bool = True
+    # A request's extra candidates (protocol `n`) are forked only while the
+    # running batch, with them, stays within this: each is a row of every
+    # decode pass, nearly free while passes are bound by reading the weights.
+    candidates_max_batch: int = 8
 
 
 class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +79,7 @@ def engine_problems(engine: EngineConfig) -> list[ConfigProblem]:
         found += _below(f"engine.{key}", getattr(engine, key), 1)
     for key in ("threads", "decode_threads"):  # 0 = torch's default
         found += _below(f"engine.{key}", getattr(engine, key), 0)
+    found += _below("engine.candidates_max_batch", engine.candidates_max_batch, 0)  # 0: never fork candidates
     return found
 
 

@@ -6,7 +6,7 @@ The pieces, each in its own module: `scheduler` (queues, admission, prefill
 budget), `kv_cache_manager` (blocks of every pool), `model_runner` (a model
 and its pool), `speculator` + `proposers` (drafts), `spec_policy` (how far to
 speculate), `sampler` and `rejection_sampler` (choosing tokens),
-`output_processor` (text and events).
+`output_processor` (text and events), `candidates` (a request's `n`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from completer.engine.block_manager import BlockManager
 from completer.engine.calibration import prefill_rate, time_passes
+from completer.engine.candidates import Candidates
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.model_runner import ModelRunner
@@ -66,7 +67,10 @@ class EngineCore:
         if self.draft is not None:
             proposers.append(DraftModelProposer(self.draft, kv, self.sampler, self.policy.costs))
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
-        self.by_id: dict[str, Sequence] = {}
+        self.by_id: dict[str, Sequence] = {}  # requests and their candidates
+        self.candidates = Candidates(kv, self.scheduler, self.output.stop_ids, config.candidates_max_batch,
+                                     self.by_id, self._sequence)
+        self.output.candidates = self.candidates
         # Set by the engine loop: takes the events so far, returns the ids cancelled meanwhile.
         self.between_passes: Callable[[list[Event]], list[str]] | None = None
         self.disagg: RemotePrefillSteps | None = None
@@ -111,17 +115,23 @@ class EngineCore:
             raise EngineError("bad_request", "empty prompt")
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
-        p = request.params
-        output = OutputText(self.tokenizer.token_bytes, p.mode, p.stop, request.cursor_line, request.suffix,
-                            request.heal)
-        seq = Sequence(request, output, self.kv.roles, self.policy.new_state())
+        seq = self._sequence(request)
         self.scheduler.add(seq)
         self.by_id[request.id] = seq
 
+    def _sequence(self, request: Request) -> Sequence:
+        p = request.params
+        output = OutputText(self.tokenizer.token_bytes, p.mode, p.stop, request.cursor_line, request.suffix,
+                            request.heal, request.next_line)
+        return Sequence(request, output, self.kv.roles, self.policy.new_state())
+
     def abort(self, request_id: str) -> None:
-        """End a request now (`cancelled`), wherever it is; its blocks return at once."""
+        """End a request now (`cancelled`), wherever it is, and its candidates;
+        their blocks return at once."""
         if (seq := self.by_id.get(request_id)) is not None:
             self._finish(seq, "cancelled")
+        for candidate in self.candidates.of_ended(request_id):  # it ended, they ran on
+            self._finish(candidate, "cancelled")
 
     @property
     def has_work(self) -> bool:
@@ -248,12 +258,25 @@ class EngineCore:
 
     def _start_decoding(self, seq: Sequence) -> None:
         """The first token, once the target holds the whole prompt (a lagging
-        drafter catches up when it next proposes)."""
+        drafter catches up when it next proposes). A priming request
+        (max_tokens 0) ends instead, once every pool holds the prompt: its
+        blocks were published as they were computed, so they stay cached."""
         if seq.first_logits is None or seq.kv["target"].computed < seq.prompt_len:
+            return
+        if seq.params.max_tokens == 0:
+            if seq.prefill_left == 0:
+                seq.first_logits = None
+                self._finish(seq, "length")
             return
         logits, seq.first_logits = seq.first_logits, None
         seq.status = Status.DECODE
-        self._postprocess(seq, [self.sampler.sample(seq, logits)[0]])
+        if seq.first_token is not None:  # a candidate: its first token was chosen when it was forked
+            token = seq.first_token
+        else:
+            logits = self.sampler.constrain(seq, logits)
+            token = self.sampler.sample(seq, logits, heal=False)[0]
+            self.candidates.fork(seq, logits, token)
+        self._postprocess(seq, [token])
 
     def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[list[int]]:
         """One target pass over `[last token] + proposal` per sequence; the
@@ -294,6 +317,9 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._drop(seq)
         self.output.finish(seq, reason)
+        if reason == "cancelled" and seq.candidates is not None:
+            for candidate in list(seq.candidates.running):
+                self._finish(candidate, "cancelled")
 
     def _drop(self, seq: Sequence) -> None:
         if seq.remote_job is not None:  # a worker may still write its blocks: its job keeps them
@@ -310,8 +336,10 @@ class EngineCore:
         their place. Returns the events to deliver, the step's deltas first."""
         for seq in self.scheduler.waiting:  # the one being admitted may hold blocks
             self.kv.free(seq)
-        failed = list(self.scheduler.running)
+        failed = [s for s in self.scheduler.running if s.candidate_of is None]
         for seq in failed:
             self._drop(seq)
+        for candidate in list(self.scheduler.running):  # a request that ended before them then has its answer
+            self._finish(candidate, "cancelled")
         return [(e.id, e) for e in self.output.drain()] + \
             [(s.id, EngineError("internal", message)) for s in failed]

@@ -91,7 +91,7 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
-        self._latest: dict[str, str] = {}  # supersede key -> request id
+        self._in_flight_under: dict[str, set[str]] = {}  # supersede key -> its requests in flight
         self._key_of: dict[str, str] = {}  # request id -> supersede key
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -151,18 +151,22 @@ class Engine:
         if self.core.disagg is not None:
             self.core.disagg.remote.close()
 
-    def submit(self, request: Request, supersede: str | None = None) -> RequestStream:
+    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True) -> RequestStream:
         """Queue a request. With `supersede` (a session and document), the
-        request submitted under the same key before it, if still in flight, is
-        cancelled: a newer keystroke in the same document. The engine is the
-        one owner of supersede and cancel; call from the event loop's thread."""
+        requests submitted under the same key before it, still in flight, are
+        cancelled: a newer keystroke in the same document. With `ends_others`
+        False it joins them instead (a speculative request beside the one
+        shown), and the next request that ends others ends it too. The engine
+        is the one owner of supersede and cancel; call from the event loop's thread."""
         stream = RequestStream(request.id)
         self._streams[request.id] = stream
         with self._cond:
             if supersede is not None:
-                if (old := self._latest.get(supersede)) is not None:
-                    self._inbox.append(("cancel", old))
-                self._latest[supersede] = request.id
+                in_flight = self._in_flight_under.setdefault(supersede, set())
+                if ends_others:
+                    self._inbox += [("cancel", old) for old in sorted(in_flight)]
+                    in_flight.clear()
+                in_flight.add(request.id)
                 self._key_of[request.id] = supersede
             self._inbox.append(("add", request))
             self._cond.notify()
@@ -240,5 +244,7 @@ class Engine:
             if isinstance(event, (Finished, EngineError)):
                 del self._streams[request_id]
                 key = self._key_of.pop(request_id, None)
-                if key is not None and self._latest.get(key) == request_id:
-                    del self._latest[key]
+                if key is not None and (in_flight := self._in_flight_under.get(key)) is not None:
+                    in_flight.discard(request_id)
+                    if not in_flight:
+                        del self._in_flight_under[key]

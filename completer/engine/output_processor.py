@@ -1,19 +1,26 @@
 """From accepted tokens to the engine's events: text deltas as they become
 safe to send, and one `Finished` per request with its timings (the stop rules
-themselves are `stopping.OutputText`'s)."""
+themselves are `stopping.OutputText`'s). A request's candidates send nothing
+of their own: their texts go into its `Finished` (`candidates`)."""
 
 from __future__ import annotations
 
 import time
 
+from typing import TYPE_CHECKING
+
 from completer.engine.request import Delta, Event, Failed, FinishReason, Finished
 from completer.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from completer.engine.candidates import Candidates
 
 
 class OutputProcessor:
     def __init__(self, stop_ids: set[int]):
         self.stop_ids = stop_ids
         self.events: list[Event] = []
+        self.candidates: Candidates | None = None  # set by the core that forks them
 
     def append(self, seq: Sequence, tokens: list[int]) -> FinishReason | None:
         """Take accepted tokens in order, streaming their text; returns why the
@@ -31,7 +38,7 @@ class OutputProcessor:
         return None
 
     def emit(self, seq: Sequence, text: str) -> None:
-        if not text:
+        if not text or seq.candidate_of is not None:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
@@ -46,7 +53,14 @@ class OutputProcessor:
         t.total_ms = (now - seq.arrival) * 1000
         t.ttft_ms = ((seq.first_token_at or now) - seq.arrival) * 1000
         t.generated_tokens = seq.num_generated
-        self.events.append(Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t))
+        finished: Finished | None = Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t)
+        if self.candidates is not None:
+            if seq.candidate_of is not None:
+                finished = self.candidates.candidate_ended(seq, reason, finished.text)
+            else:
+                finished = self.candidates.first_ended(seq, finished)
+        if finished is not None:
+            self.events.append(finished)
 
     def fail(self, seq: Sequence, code: str, message: str) -> None:
         self.events.append(Failed(seq.id, code, message))

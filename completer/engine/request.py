@@ -16,12 +16,15 @@ GREEDY_BELOW = 1e-5
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int = 64
+    max_tokens: int = 64  # 0: prefill the prompt into the prefix cache and end (`length`), nothing generated
     temperature: float = 0.0
     mode: Mode = "line"
     stop: tuple[str, ...] = ()
     deadline_s: float | None = None  # seconds from the request's arrival
     seed: int | None = None
+    # Completions wanted: the others begin with the 2nd..nth most likely first
+    # token and share the prompt's cached K/V (`engine.candidates`).
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -34,6 +37,9 @@ class Request(msgspec.Struct, frozen=True):
     params: SamplingParams = SamplingParams()
     cursor_line: str = ""  # the prefix's last line (block mode's indentation)
     suffix: str = ""  # text after the cursor (trims what it already has)
+    # The first non-blank line after the cursor's, stripped: a completion line
+    # equal to it repeats the file, and the completion ends before it.
+    next_line: str = ""
     heal: bytes = b""  # token healing: bytes backed off the prompt, to be re-spelled first
     cache_salt: str = ""  # prefix-cache blocks are shared only among requests with the same salt
     # time.perf_counter() when the request arrived (a frame read off the
@@ -75,6 +81,7 @@ class Finished(msgspec.Struct, frozen=True):
     reason: FinishReason
     text: str
     timings: Timings
+    candidates: tuple[str, ...] = ()  # with params.n > 1: the other completions' texts
 
 
 class Failed(msgspec.Struct, frozen=True):

@@ -4,12 +4,16 @@ its output text and its timings."""
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from completer.engine.request import Request, Timings
 from completer.engine.spec_policy import SpecState
 from completer.engine.stopping import OutputText
+
+if TYPE_CHECKING:
+    from completer.engine.candidates import CandidateGroup
 
 
 class Status(enum.Enum):
@@ -33,6 +37,7 @@ class CacheState:
 
 class Sequence:
     def __init__(self, request: Request, output: OutputText, roles: tuple[str, ...], spec: SpecState):
+        self.request = request  # what its candidates (params.n > 1) are forked from
         self.id = request.id
         self.tokens = list(request.prompt)
         self.prompt_len = len(request.prompt)
@@ -53,6 +58,13 @@ class Sequence:
         self.generator: torch.Generator | None = None  # seeded sampling
         if request.params.seed is not None:
             self.generator = torch.Generator().manual_seed(request.params.seed)
+        # A request's extra completions (`engine.candidates`): the request holds
+        # their group; each candidate, the request it completes, its rank among
+        # the first tokens, and the first token it must take.
+        self.candidates: CandidateGroup | None = None
+        self.candidate_of: Sequence | None = None
+        self.candidate_rank = 0
+        self.first_token: int | None = None
 
     def local_roles(self) -> list[str]:
         """The pools this engine prefills itself."""

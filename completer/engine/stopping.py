@@ -1,10 +1,11 @@
 """From accepted tokens to streamed text: incremental UTF-8 decoding, the
 modes' ends, stop strings, and trimming (text that repeats what follows the
-cursor, degenerate repetition).
+cursor, a line that repeats the file's next line, degenerate repetition).
 
 Text that might still be trimmed (a possible start of a stop string, a tail
-that duplicates the suffix) is held back, so a delta once sent is never
-retracted and the deltas always concatenate to the final text.
+that duplicates the suffix, a line that may yet equal the next line) is held
+back, so a delta once sent is never retracted and the deltas always
+concatenate to the final text.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def repetition_start(text: str, min_repeats: int = 6, max_period: int = 16) -> i
     return None
 
 
+def next_nonblank_line(suffix: str) -> str:
+    """The first non-blank line after the cursor's (the suffix's first line is
+    the rest of the cursor's), stripped; "" when there is none. Reads only as
+    far as that line, however long the suffix."""
+    newline = suffix.find("\n")
+    while newline >= 0:
+        after = suffix.find("\n", newline + 1)
+        line = suffix[newline + 1: after if after >= 0 else len(suffix)].strip()
+        if line:
+            return line
+        newline = after
+    return ""
+
+
 def overlap_with_suffix(text: str, suffix_line: str) -> int:
     """Length of the longest tail of `text` that begins `suffix_line` (a closing
     bracket the editor already has, say)."""
@@ -77,7 +92,11 @@ class OutputText:
     """Accumulates a request's text token by token; says what may be sent."""
 
     def __init__(self, token_bytes: Callable[[int], bytes], mode: str, stop: tuple[str, ...],
-                 cursor_line: str = "", suffix: str = "", heal: bytes = b""):
+                 cursor_line: str = "", suffix: str = "", heal: bytes = b"", next_line: str = ""):
+        """next_line: the file's first non-blank line below the cursor's
+        (`next_nonblank_line`); in `line` and `block` modes a completed line
+        equal to it (whitespace stripped) ends the text before that line, as
+        llama.vim and Tabby drop suggestions that repeat the code below."""
         self.token_bytes = token_bytes
         self.heal = heal  # bytes the first tokens must re-spell (token healing); not output
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -92,6 +111,8 @@ class OutputText:
         self.cursor_line = cursor_line
         nl = suffix.find("\n")
         self.suffix_line = (suffix if nl < 0 else suffix[:nl]).rstrip()
+        self.next_line = next_line.strip() if mode != "free" else ""
+        self.unchecked_line = 0  # offset in `text` of the first line not yet compared with next_line
         self.text = ""
         self.emitted = 0  # chars of `text` already sent
 
@@ -106,12 +127,45 @@ class OutputText:
             if (match := self.stop_pattern.search(self.text, self.unscanned)) is not None:
                 ends.append(match.start())
             self.unscanned = max(0, len(self.text) - self.longest_head)
+        if self.next_line:
+            ends.append(self._repeated_line_end())
         found = [e for e in ends if e is not None]
         return min(found) if found else None
+
+    def _repeats_next_line(self, line: str, first: bool) -> bool:
+        """Whether a line of the text, once complete, equals the file's next
+        line. The first line continues the cursor's, so the two are compared
+        together, and only once the completion wrote something on it (one
+        that begins with a newline keeps the cursor's line as it is)."""
+        if first:
+            if not line.strip():
+                return False
+            line = self.cursor_line + line
+        return line.strip() == self.next_line
+
+    def _repeated_line_end(self) -> int | None:
+        """Where the text ends because a line completed since the last call
+        repeats the next line: before that line and the newline opening it."""
+        while (newline := self.text.find("\n", self.unchecked_line)) >= 0:
+            start, self.unchecked_line = self.unchecked_line, newline + 1
+            cut = max(0, start - 1)
+            # (A repeated line was held back whole; `cut >= emitted` keeps that promise regardless.)
+            if cut >= self.emitted and self._repeats_next_line(self.text[start:newline], start == 0):
+                return cut
+        return None
+
+    def _next_line_holdback(self) -> int:
+        """Chars held while the line being written may still turn out to be
+        the next line: all of it, from the newline that opens it."""
+        start = self.text.rfind("\n") + 1
+        line = self.text[start:] if start else self.cursor_line + self.text
+        return len(self.text) - max(0, start - 1) if self.next_line.startswith(line.strip()) else 0
 
     def _holdback(self) -> int:
         """Chars at the end that might yet be trimmed."""
         hold = overlap_with_suffix(self.text, self.suffix_line) if self.suffix_line else 0
+        if self.next_line:
+            hold = max(hold, self._next_line_holdback())
         for n in range(min(self.longest_head, len(self.text)), hold, -1):
             if self.text[-n:] in self.stop_heads:
                 hold = n
@@ -142,6 +196,10 @@ class OutputText:
         """Final trim; returns the last delta (what was held back and survives)."""
         self.text += self.decoder.decode(b"", final=True)
         trimmed = self.text
+        if self.next_line:  # the last line is complete now
+            start = trimmed.rfind("\n") + 1
+            if max(0, start - 1) >= self.emitted and self._repeats_next_line(trimmed[start:], start == 0):
+                trimmed = trimmed[: max(0, start - 1)]
         if self.mode != "free":
             trimmed = trimmed.rstrip()
         if self.suffix_line:

@@ -5,6 +5,9 @@
     /metrics     Prometheus exposition (token, unless server.public_metrics)
     /dashboard   the live latency dashboard (open it with ?token=TOKEN)
     /v1/stats    the dashboard's figures as JSON (token)
+
+and, on a port of their own (`[compat]`, `server/compat/`), the llama.cpp-
+and OpenAI-compatible routes that existing editor plugins speak.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from completer.loading import LoadedModel, load_models
 from completer.model_store import ModelFetchError
 from completer.pipeline import CompletionPipeline
 from completer.server import security
+from completer.server.compat.http import CompatServer
 from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
 
@@ -50,6 +54,7 @@ class App:
         self.stopping = False  # shutting down: no new requests start
         self.scheme = "https" if config.server.tls_cert else "http"
         self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
+        self.compat = CompatServer(self) if config.compat.enabled else None
 
     # -- models ---------------------------------------------------------------
 
@@ -132,7 +137,8 @@ class App:
         Runs on the event loop (all_tasks is its tasks); the engine thread may
         be changing the lists and pools read here, and len() of them is atomic."""
         live = Live(sessions=len(self.sessions), event_loop_tasks=len(asyncio.all_tasks()),
-                    requests_in_flight=sum(len(s.inflight) for s in self.sessions))
+                    requests_in_flight=sum(len(s.inflight) for s in self.sessions)
+                    + (len(self.compat.engine.inflight) if self.compat is not None else 0))
         if self.engine is not None:
             core = self.engine.core
             live.running = len(core.scheduler.running)
@@ -208,6 +214,8 @@ class App:
         for session in list(self.sessions):
             for request_id in list(session.inflight):
                 self.engine.cancel(session.engine_id(request_id))
+        if self.compat is not None:  # their clients get 503 (their listener closes after the sockets)
+            self.compat.engine.cancel_all()
         pending = [t for s in self.sessions for t in s.inflight.values()]
         if pending:
             await asyncio.wait(pending, timeout=max(0.0, end - loop.time()))
@@ -239,23 +247,29 @@ class App:
                          max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
                          ping_interval=20, ping_timeout=20) as server:
             port = server.sockets[0].getsockname()[1]
-            # "listening" is said once the models have loaded, so a model that fails to load ends
-            # the start with its error alone; bound before, /healthz answers 503 while they load.
-            announce = (lambda: on_listening(port)) if on_listening is not None else None
-            loading = asyncio.create_task(self.start_engine(announce))
-            stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if loading.done() and loading.exception() is not None:
-                self.stop_workers()
-                raise loading.exception()
-            if on_listening is not None and loading.done():
-                on_listening(port, self)
-            await stopped
-            # One grace for all of it: draining the requests, then the close handshakes.
-            end = asyncio.get_running_loop().time() + SHUTDOWN_GRACE_S
-            if self.engine is not None:
-                await self.shutdown()
-            await self.close_connections(server, end - asyncio.get_running_loop().time())
+            if self.compat is not None:  # bound now, like the WebSocket port: 503 while the models load
+                await self.compat.start(tls, SHUTDOWN_GRACE_S)
+            try:
+                # "listening" is said once the models have loaded, so a model that fails to load ends
+                # the start with its error alone; bound before, /healthz answers 503 while they load.
+                announce = (lambda: on_listening(port)) if on_listening is not None else None
+                loading = asyncio.create_task(self.start_engine(announce))
+                stopped = asyncio.create_task(stop.wait())
+                await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
+                if loading.done() and loading.exception() is not None:
+                    self.stop_workers()
+                    raise loading.exception()
+                if on_listening is not None and loading.done():
+                    on_listening(port, self)
+                await stopped
+                # One grace for all of it: draining the requests, then the close handshakes.
+                end = asyncio.get_running_loop().time() + SHUTDOWN_GRACE_S
+                if self.engine is not None:
+                    await self.shutdown()
+                await self.close_connections(server, end - asyncio.get_running_loop().time())
+            finally:
+                if self.compat is not None:
+                    await self.compat.stop()
         if self.engine is not None:
             self.engine.stop()
         self.stop_workers()
@@ -285,6 +299,9 @@ def run(config: Config, token: str, token_source: str) -> int:
         if loaded is None:
             print(f"completer listening on {scheme}://{s.host}:{port}/v1/ws "
                   f"(dashboard: {app.scheme}://{s.host}:{port}/dashboard)", flush=True)
+            if app.compat is not None and app.compat.port is not None:
+                print(f"compat API (llama.cpp /infill, /completion; OpenAI /v1/completions) on "
+                      f"{app.compat.scheme}://{app.compat.host}:{app.compat.port}", flush=True)
             print(f"token: {token_source}", flush=True)
         else:
             draft = f", draft {loaded.draft.name}" if loaded.draft else ""

@@ -1,80 +1,23 @@
-"""Prometheus metrics (vLLM-style names, `completer_` prefix) and the rolling
-figures behind `/v1/stats` and the dashboard.
-
-The rolling figures are kept incrementally, so that reading them costs the
-same whatever the traffic was (a poller must not stall the event loop every
-editor shares): one slot per second of the last 15 minutes, each holding the
-second's sums and a log-spaced histogram per latency. A finished request adds
-to one slot (O(1)); `/v1/stats` reads the 900 slots; the memory (about 4 MB)
-is allocated once, at start. A window is whole seconds: "1m" is the current
-second and the 59 before it.
-
-Quantiles come from the histograms: a latency between LOWEST_S and HIGHEST_S
-is read back within RELATIVE_ERROR (1.96%) of the exact order statistic (the
-value of rank ceil(q * n)). The lowest and highest ranks are kept exactly, so
-the p99 of fewer than 100 requests is the slowest one itself, and no estimate
-leaves the range of the values seen.
+"""Prometheus metrics (vLLM-style names, `completer_` prefix), and the live
+figures and rolling windows (`rolling_stats`) behind `/v1/stats` and the
+dashboard.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
 import msgspec
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from completer.engine.request import Timings
+from completer.server.rolling_stats import SERIES_STEP_S, Record, RollingStats
 
 # Fine at the millisecond scale, so a p99 read off the buckets means something.
 LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025,
                    0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-
-WINDOWS = {"1m": 60, "5m": 300, "15m": 900}
-HORIZON_S = max(WINDOWS.values())
-SERIES_STEP_S = 10
-assert HORIZON_S % SERIES_STEP_S == 0  # so each step's seconds sit in ten adjacent slots
-
-# The rolling histograms' bins: [LOWEST_S * GROWTH**(i-1), LOWEST_S * GROWTH**i)
-# for i in 1..SPAN, with one bin below and one above. A bin is read back as
-# the value whose relative distance to both of its edges is the same, so no
-# value in it is further than RELATIVE_ERROR from what is read back.
-LOWEST_S = 50e-6
-HIGHEST_S = 100.0
-GROWTH = 1.04
-RELATIVE_ERROR = (GROWTH - 1) / (GROWTH + 1)
-_LOG_GROWTH = math.log(GROWTH)
-SPAN = math.ceil(math.log(HIGHEST_S / LOWEST_S) / _LOG_GROWTH)
-NUM_BINS = SPAN + 2
-_READ_BACK = np.concatenate((
-    [LOWEST_S],
-    LOWEST_S * GROWTH ** np.arange(SPAN) * (2 * GROWTH / (1 + GROWTH)),
-    [HIGHEST_S]))
-
-QUANTILES = (0.5, 0.95, 0.99)
-LATENCIES = ("ttft", "e2e", "itl")
-# Per-slot sums: means and rates over any window are sums of these.
-SUMS = ("requests", "queue", "prefill", "decode", "prompt_tokens", "cached_tokens", "proposed", "accepted",
-        "shown_chars", "accepted_chars")
-_COLUMN = {name: i for i, name in enumerate(SUMS)}
-
-
-class Record(msgspec.Struct, array_like=True):
-    """One finished request, as the stats need it (seconds)."""
-
-    at: float
-    ttft: float
-    e2e: float
-    itl: float | None
-    queue: float
-    prefill: float
-    decode: float
-    prompt_tokens: int
-    cached_tokens: int
-    generated: int
-    proposed: int
-    accepted: int
 
 
 class Live(msgspec.Struct):
@@ -88,167 +31,6 @@ class Live(msgspec.Struct):
     event_loop_tasks: int = 0
     requests_in_flight: int = 0  # across sessions
     prefill_workers_up: int = 0  # disaggregation: workers connected now
-
-
-def bin_of(seconds: float) -> int:
-    if seconds < LOWEST_S:
-        return 0
-    return min(NUM_BINS - 1, 1 + int(math.log(seconds / LOWEST_S) / _LOG_GROWTH))
-
-
-def quantiles(counts: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """QUANTILES read off histograms `counts` (..., NUM_BINS) whose smallest
-    and largest values are `low` and `high` (...): (..., len(QUANTILES)),
-    NaN where a histogram is empty."""
-    n = counts.sum(axis=-1)[..., None]
-    ranks = np.maximum(1, np.ceil(np.array(QUANTILES) * n))
-    cumulative = counts.cumsum(axis=-1)
-    found = (cumulative[..., None, :] >= ranks[..., None]).argmax(axis=-1)
-    low, high = low[..., None], high[..., None]
-    values = np.clip(_READ_BACK[found], low, high)
-    values = np.where(ranks >= n, high, np.where(ranks <= 1, low, values))
-    return np.where(n > 0, values, np.nan)
-
-
-_NAMES = tuple(f"p{round(q * 100)}" for q in QUANTILES)
-
-
-def as_ms(row: list[float]) -> dict[str, float | None]:
-    """One histogram's quantiles (a row of quantiles().tolist()) as the dashboard reads them."""
-    return {name: None if math.isnan(v) else v * 1000 for name, v in zip(_NAMES, row)}
-
-
-def merge(counts: np.ndarray, low: np.ndarray, high: np.ndarray, sums: np.ndarray,
-          axis: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Histograms, smallest and largest values, and sums merged along `axis`."""
-    return (counts.sum(axis=axis, dtype=np.int64), low.min(axis=axis, initial=np.inf),
-            high.max(axis=axis, initial=-np.inf), sums.sum(axis=axis))
-
-
-class RollingStats:
-    """The last HORIZON_S seconds of finished requests and feedback, one slot
-    per second: second s lives in slot s % HORIZON_S, which is cleared when a
-    later second takes it over (or a read finds it past the horizon)."""
-
-    def __init__(self) -> None:
-        self.second = np.full(HORIZON_S, -1, np.int64)  # the second each slot holds
-        self.counts = np.zeros((HORIZON_S, len(LATENCIES), NUM_BINS), np.uint32)
-        self.low = np.full((HORIZON_S, len(LATENCIES)), np.inf)
-        self.high = np.full((HORIZON_S, len(LATENCIES)), -np.inf)
-        self.sums = np.zeros((HORIZON_S, len(SUMS)))
-
-    def _clear(self, slots) -> None:
-        self.counts[slots] = 0
-        self.low[slots] = np.inf
-        self.high[slots] = -np.inf
-        self.sums[slots] = 0
-
-    def _slot(self, at: float) -> int | None:
-        second = math.floor(at)
-        slot = second % HORIZON_S
-        held = int(self.second[slot])
-        if held > second:  # a later second holds it: this one is past the horizon
-            return None
-        if held < second:
-            self.second[slot] = second
-            self._clear(slot)
-        return slot
-
-    def add_request(self, r: Record) -> None:
-        if (slot := self._slot(r.at)) is None:
-            return
-        low, high = self.low[slot], self.high[slot]
-        for kind, value in enumerate((r.ttft, r.e2e, r.itl)):
-            if value is None:
-                continue
-            self.counts[slot, kind, bin_of(value)] += 1
-            low[kind] = min(low[kind], value)
-            high[kind] = max(high[kind], value)
-        self.sums[slot] += (1, r.queue, r.prefill, r.decode, r.prompt_tokens, r.cached_tokens, r.proposed,
-                            r.accepted, 0, 0)  # in SUMS' order
-
-    def add_feedback(self, at: float, shown: int, accepted: int) -> None:
-        if (slot := self._slot(at)) is None:
-            return
-        self.sums[slot, _COLUMN["shown_chars"]] += shown
-        self.sums[slot, _COLUMN["accepted_chars"]] += accepted
-
-    def _expire(self, current: int) -> None:
-        """Make every slot hold its second of the horizon ending at `current`
-        (one that held another second, or none, is cleared), so that reads
-        need not check what each slot holds."""
-        expected = current - (current - np.arange(HORIZON_S)) % HORIZON_S
-        stale = np.flatnonzero(self.second != expected)
-        if stale.size:
-            self.second[stale] = expected[stale]
-            self._clear(stale)
-
-    def _merged(self, parts: list[slice]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The slots in `parts`, merged."""
-        each = [merge(self.counts[p], self.low[p], self.high[p], self.sums[p]) for p in parts]
-        return merge(*(np.stack(field) for field in zip(*each)))
-
-    @staticmethod
-    def _last(current: int, seconds: int) -> list[slice]:
-        """The slots of the `seconds` seconds up to `current`: one run of
-        adjacent slots, or two where it wraps around."""
-        start, end = (current - seconds + 1) % HORIZON_S, current % HORIZON_S + 1
-        return [slice(start, end)] if start < end else [slice(start, HORIZON_S), slice(0, end)]
-
-    def summary(self, now: float) -> tuple[dict[str, dict], list[dict]]:
-        """The WINDOWS' figures and the series, at `now`."""
-        current = math.floor(now)
-        self._expire(current)
-        rows = self._rows()
-        return self._windows(current, rows), self._series(current, now, rows)
-
-    def _rows(self) -> tuple[np.ndarray, ...]:
-        """The slots merged per row of SERIES_STEP_S adjacent ones: each row
-        is a step's seconds, but for the current step's row (see _series)."""
-        def by_row(a: np.ndarray) -> np.ndarray:
-            return a.reshape((HORIZON_S // SERIES_STEP_S, SERIES_STEP_S) + a.shape[1:])
-
-        return merge(by_row(self.counts), by_row(self.low), by_row(self.high), by_row(self.sums), axis=1)
-
-    def _windows(self, current: int, rows: tuple[np.ndarray, ...]) -> dict[str, dict]:
-        out = {}
-        for name, seconds in WINDOWS.items():
-            if seconds == HORIZON_S:  # every slot: merged from the rows, a tenth as many
-                counts, low, high, sums = merge(*rows)
-            else:
-                counts, low, high, sums = self._merged(self._last(current, seconds))
-            q = quantiles(counts, low, high).tolist()
-            s = dict(zip(SUMS, sums.tolist()))
-            n = int(s["requests"])
-            out[name] = {
-                "requests": n,
-                "requests_per_s": n / seconds,
-                "ttft_ms": as_ms(q[0]), "e2e_ms": as_ms(q[1]), "itl_ms": as_ms(q[2]),
-                "breakdown_ms": {k: (s[k] / n * 1000 if n else None) for k in ("queue", "prefill", "decode")},
-                "draft_acceptance": s["accepted"] / s["proposed"] if s["proposed"] else None,
-                "cache_hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else None,
-                "accept_rate": s["accepted_chars"] / s["shown_chars"] if s["shown_chars"] else None,
-            }
-        return out
-
-    def _series(self, current: int, now: float, rows: tuple[np.ndarray, ...]) -> list[dict]:
-        """One point per SERIES_STEP_S step that saw requests, oldest first.
-        A step's seconds are SERIES_STEP_S adjacent slots, so each step is one
-        row of them, except the current one: its row also holds the oldest,
-        partial step (left out)."""
-        counts, low, high, sums = (a.copy() for a in rows)
-        step_of_row = self.second[::SERIES_STEP_S] // SERIES_STEP_S
-        now_row = current % HORIZON_S // SERIES_STEP_S
-        counts[now_row], low[now_row], high[now_row], sums[now_row] = self._merged(
-            self._last(current, current % SERIES_STEP_S + 1))
-        step_of_row[now_row] = current // SERIES_STEP_S
-        requests = sums[:, _COLUMN["requests"]]
-        seen = np.flatnonzero(requests)
-        seen = seen[np.argsort(step_of_row[seen])]
-        q = quantiles(counts[seen], low[seen], high[seen]).tolist()
-        return [{"t": min(float((step + 1) * SERIES_STEP_S), now), "requests": int(n),
-                 "ttft_ms": as_ms(ttft), "e2e_ms": as_ms(e2e), "itl_ms": as_ms(itl)}
-                for step, n, (ttft, e2e, itl) in zip(step_of_row[seen].tolist(), requests[seen].tolist(), q)]
 
 
 class Metrics:
@@ -290,8 +72,20 @@ class Metrics:
         self.workers_up = Gauge("completer_prefill_workers_up", "Prefill workers connected.", registry=r)
         self.shown_chars = Counter("completer_feedback_shown_chars", "Characters of completions reported shown.",
                                    registry=r)
-        self.accepted_chars = Counter("completer_feedback_accepted_chars", "Characters accepted by users.",
-                                      registry=r)
+        self.accepted_chars = Counter("completer_feedback_accepted_chars", "Characters users kept, by a key "
+                                      "or by typing them through.", registry=r)
+        self.typed_chars = Counter("completer_feedback_typed_chars", "Characters users kept by typing them "
+                                   "through (also in accepted_chars).", registry=r)
+        self.feedback = Counter("completer_feedback_completions", "Completions with feedback, by outcome "
+                                "(accepted: some kept; dismissed: shown, none kept; unshown: never displayed).",
+                                ["outcome"], registry=r)
+        self.primes = Counter("completer_cache_primes", "Requests that only primed the cache (max_tokens 0).",
+                              registry=r)
+        self.route_requests = Counter(
+            "completer_route_requests", "Requests by route (ws; infill, completion, v1/completions: the "
+            "compatible HTTP routes) and how each ended (a finish reason, primed, disconnected, or an HTTP "
+            "error status).", ["route", "outcome"], registry=r)
+        self.route_counts: dict[str, int] = {}  # route -> requests, for /v1/stats and the dashboard
         self.running = Gauge("completer_num_requests_running", "Requests being decoded.", registry=r)
         self.waiting = Gauge("completer_num_requests_waiting", "Requests waiting for admission.", registry=r)
         self.sessions = Gauge("completer_sessions", "Open editor connections.", registry=r)
@@ -343,13 +137,55 @@ class Metrics:
         self.prefills.labels(prefill_kind).inc()
         self.rolling.add_request(record)
 
-    def observe_feedback(self, shown: int, accepted: int) -> None:
-        self.shown_chars.inc(shown)
-        self.accepted_chars.inc(accepted)
-        self.rolling.add_feedback(self.clock(), shown, accepted)
+    def observe_feedback(self, offered: int, accepted: int, typed: int = 0, shown: bool = True) -> None:
+        """Feedback on a completion of `offered` chars: the user kept `accepted`
+        with a key and typed `typed` more through, both kept (a client reports
+        what it counted, so neither may claim more than was offered). One
+        never displayed (`shown` False) was neither kept nor dismissed."""
+        if not shown:
+            self.feedback.labels("unshown").inc()
+            return
+        typed = min(typed, offered)
+        kept = min(accepted + typed, offered)
+        self.shown_chars.inc(offered)
+        self.accepted_chars.inc(kept)
+        self.typed_chars.inc(typed)
+        self.feedback.labels("accepted" if kept else "dismissed").inc()
+        self.rolling.add_feedback(self.clock(), offered, kept)
+
+    def observe_priming(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request that only primed the cache: its prompt counts, its (tokenless) latency does not."""
+        self.primes.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
+    def count_route(self, route: str, outcome: str) -> None:
+        self.route_requests.labels(route, outcome).inc()
+        self.route_counts[route] = self.route_counts.get(route, 0) + 1
+
+    def observe_done(self, t: Timings, reason: str, received: float, priming: bool = False,
+                     route: str = "ws") -> None:
+        """A request that ended with an answer, from its timings: its latencies,
+        or only the prompt it cached (`priming`: no token, no latency to
+        record). `received`: time.perf_counter() when it was read; end-to-end
+        counts to now, with the hop to the socket."""
+        self.count_route(route, "primed" if priming else reason)
+        if priming:
+            self.observe_priming(t.prompt_tokens, t.cached_tokens)
+        else:
+            ttft, total = t.ttft_ms / 1000, t.total_ms / 1000
+            decode_s = max(0.0, total - ttft)
+            self.observe(Record(
+                at=time.time(), ttft=ttft, e2e=time.perf_counter() - received,
+                itl=decode_s / (t.generated_tokens - 1) if t.generated_tokens > 1 else None,
+                queue=t.queue_ms / 1000, prefill=max(0.0, ttft - t.queue_ms / 1000), decode=decode_s,
+                prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens, generated=t.generated_tokens,
+                proposed=t.draft_proposed, accepted=t.draft_accepted), reason, t.prefill)
+        if t.prefill_reason:
+            self.observe_prefill(t.prefill, t.prefill_reason, t.kv_transfer_bytes, t.kv_transfer_ms / 1000)
 
     def stats(self) -> dict:
         now = self.clock()
         windows, series = self.rolling.summary(now)
         return {"time": now, "windows": windows, "series": series, "series_step_s": SERIES_STEP_S,
-                **msgspec.structs.asdict(self.live)}
+                "routes": dict(self.route_counts), **msgspec.structs.asdict(self.live)}

@@ -126,6 +126,21 @@ def token_matches(expected: str, authorization: str | None, path: str) -> bool:
     return bool(offered) and hmac.compare_digest(offered.encode(), expected.encode())
 
 
+def api_key_matches(expected: str, authorization: str | None, *api_keys: str | None) -> bool:
+    """The token as HTTP API clients send it: `Authorization: Bearer TOKEN`
+    (llama.vim's api_key, the OpenAI clients, Continue, Tabby), a bare
+    `Authorization: TOKEN` (llama.cpp takes both), or a key header
+    (`X-Api-Key`, Azure's `api-key`); any one of them that matches. An empty
+    one (llama.vim sends `Bearer ` with no key set) matches nothing."""
+    offered = list(api_keys)
+    if authorization:
+        value = authorization.strip()
+        if value[:6].lower() == "bearer" and (len(value) == 6 or value[6].isspace()):
+            value = value[6:].strip()
+        offered.append(value)
+    return any(key and hmac.compare_digest(key.encode(), expected.encode()) for key in offered)
+
+
 def origin_allowed(origin: str | None, host_header: str | None, scheme: str,
                    allowed: list[str]) -> bool:
     """No Origin (an editor client), the server's own, or a configured one."""

@@ -24,7 +24,6 @@ from completer.engine.request import EngineError
 from completer.pipeline import RequestOptions
 from completer.protocol import (PROTOCOL_VERSION, Cancel, Complete, Delta, Done, Error, Feedback, Hello,
                                 ModelNames, Ready, decode, encode)
-from completer.server.metrics import Record
 
 if TYPE_CHECKING:
     from completer.server.app import App
@@ -38,11 +37,15 @@ class Session:
         self.documents: OrderedDict[str, DocumentPrompt] = OrderedDict()  # by URI, least recently used first
         self.inflight: dict[str, asyncio.Task] = {}  # protocol id -> the task relaying its stream
         self.document_of: dict[str, str] = {}  # protocol id in flight -> its document's URI
-        self.latest: dict[str, str] = {}  # URI -> the id of its newest request in flight
+        # URI -> its requests in flight that no newer one superseded (one, unless
+        # some came with `supersede: false`).
+        self.current: dict[str, set[str]] = {}
         # Ids a newer keystroke in the same document replaced: still in flight
         # until the engine ends them, but holding no slot of the connection's.
         self.superseded: set[str] = set()
-        self.shown: OrderedDict[str, int] = OrderedDict()  # id -> chars shown, for feedback
+        # id -> the length of each text its `done` offered (`text`, then the
+        # candidates), until its feedback comes.
+        self.offered: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.outbox: asyncio.Queue[str] = asyncio.Queue()
         self.writer: asyncio.Task | None = None
         self.closing: asyncio.Task | None = None
@@ -109,9 +112,10 @@ class Session:
             if msg.id in self.inflight:
                 self.app.engine.cancel(self.engine_id(msg.id))
         elif isinstance(msg, Feedback):
-            shown = self.shown.pop(msg.id, None)
-            if shown is not None:
-                self.app.metrics.observe_feedback(shown, max(0, min(msg.accepted_chars, shown)))
+            offered = self.offered.pop(msg.id, None)
+            if offered is not None and msg.candidate < len(offered):
+                self.app.metrics.observe_feedback(offered[msg.candidate], msg.accepted_chars, msg.typed_chars,
+                                                  msg.shown)
         elif isinstance(msg, Hello):
             if msg.protocol != PROTOCOL_VERSION:
                 self.error(None, "unsupported",
@@ -136,8 +140,9 @@ class Session:
             return "bad_request", f"id {msg.id!r} is already in flight on this connection"
         if self.app.stopping:
             return "overloaded", "the server is shutting down"
-        # The keystroke the user wants now is never the one refused: the one it supersedes frees its slot.
-        live = len(self.inflight) - len(self.superseded) - (msg.document.uri in self.latest)
+        # The keystroke the user wants now is never the one refused: the ones it supersedes free their slots.
+        replaced = len(self.current.get(msg.document.uri, ())) if msg.supersede else 0
+        live = len(self.inflight) - len(self.superseded) - replaced
         if live >= limits.max_inflight_per_connection:
             return "overloaded", f"{live} requests in flight on this connection (other documents)"
         return None
@@ -155,19 +160,21 @@ class Session:
             self.documents.popitem(last=False)  # its next keystroke builds its prompt afresh
         salt = self.key if app.config.server.prefix_cache_scope == "connection" else ""
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                 stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt)
+                                 stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt, n=msg.n)
         try:
             request = app.pipeline.request(self.engine_id(msg.id), msg.document, msg.context, options, state,
                                            arrival=received)
         except Exception as e:  # never let one request take the connection down
             self.error(msg.id, "internal", f"{type(e).__name__}: {e}")
             return
-        stream = app.engine.submit(request, supersede=self.supersede_key(uri))
-        if (older := self.latest.get(uri)) is not None:
-            self.superseded.add(older)
-        self.latest[uri] = msg.id
+        stream = app.engine.submit(request, supersede=self.supersede_key(uri), ends_others=msg.supersede)
+        current = self.current.setdefault(uri, set())
+        if msg.supersede:
+            self.superseded |= current
+            current.clear()
+        current.add(msg.id)
         self.document_of[msg.id] = uri
-        task = asyncio.create_task(self.relay(msg.id, stream, received))
+        task = asyncio.create_task(self.relay(msg, stream, received))
         self.inflight[msg.id] = task
         task.add_done_callback(lambda _: self.release(msg.id, task))
 
@@ -178,11 +185,13 @@ class Session:
         del self.inflight[request_id]
         self.superseded.discard(request_id)
         uri = self.document_of.pop(request_id)
-        if self.latest.get(uri) == request_id:
-            del self.latest[uri]
+        if (current := self.current.get(uri)) is not None:
+            current.discard(request_id)
+            if not current:
+                del self.current[uri]
 
-    async def relay(self, request_id: str, stream: RequestStream, received: float) -> None:
-        app = self.app
+    async def relay(self, msg: Complete, stream: RequestStream, received: float) -> None:
+        app, request_id = self.app, msg.id
         try:
             async for delta in stream:
                 self.send(Delta(request_id, delta.text))
@@ -197,22 +206,15 @@ class Session:
             return
         done = stream.result
         self.release(request_id)
-        # Remember before sending: the client may answer `done` with feedback at once.
-        self.remember_shown(request_id, len(done.text))
-        self.send(Done(request_id, done.reason, done.text, done.timings))
-        t = done.timings
-        ttft, total = t.ttft_ms / 1000, t.total_ms / 1000
-        decode_s = max(0.0, total - ttft)
-        app.metrics.observe(Record(
-            at=time.time(), ttft=ttft, e2e=time.perf_counter() - received,  # e2e: with the hop to the socket
-            itl=decode_s / (t.generated_tokens - 1) if t.generated_tokens > 1 else None,
-            queue=t.queue_ms / 1000, prefill=max(0.0, ttft - t.queue_ms / 1000), decode=decode_s,
-            prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens, generated=t.generated_tokens,
-            proposed=t.draft_proposed, accepted=t.draft_accepted), done.reason, t.prefill)
-        if t.prefill_reason:
-            app.metrics.observe_prefill(t.prefill, t.prefill_reason, t.kv_transfer_bytes, t.kv_transfer_ms / 1000)
+        priming = msg.max_tokens == 0
+        if not priming:  # remembered before sending: the client may answer `done` with feedback at once
+            self.remember_offered(request_id, (done.text, *done.candidates))
+        # `candidates` only for a client that asked for them (an older one never sees the field).
+        self.send(Done(request_id, done.reason, done.text, done.timings,
+                       list(done.candidates) if msg.n > 1 else None))
+        app.metrics.observe_done(done.timings, done.reason, received, priming)
 
-    def remember_shown(self, request_id: str, chars: int) -> None:
-        self.shown[request_id] = chars
-        while len(self.shown) > 1024:
-            self.shown.popitem(last=False)
+    def remember_offered(self, request_id: str, texts: tuple[str, ...]) -> None:
+        self.offered[request_id] = tuple(map(len, texts))
+        while len(self.offered) > 1024:
+            self.offered.popitem(last=False)
