@@ -1023,7 +1023,7 @@ def typing_run(ed: Editor, server, path: Path, **opts) -> dict:
     }
 
 
-def test_latency_keystroke_to_ghost_text(server, editor, tmp_path):
+def test_latency_keystroke_to_ghost_text(server, editor, build, tmp_path):
     debounce = 50
     # Every keystroke asks (type-through, the cache and context off): the bare round trip.
     bare = typing_run(editor, server, tmp_path / "lat.py", debounce_ms=debounce, type_through=False, cache_size=0,
