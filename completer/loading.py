@@ -56,7 +56,7 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
     GEMM for q/k/v and one for gate/up); `target` for a drafter that reads
     its target's embeddings."""
     directory = Path(directory)
-    precision = resolve_precision(precision, device)
+    precision = resolve_precision(precision, device, directory)
     model, tokenizer = load_checkpoint(directory, precision, device, target.model if target else None, fuse)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, "

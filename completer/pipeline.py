@@ -81,6 +81,7 @@ class CompletionPipeline:
         tokens, heal = prompt.tokens, b""
         if state.builder.template.order != "psm":
             tokens, heal = back_off(self.target.tokenizer, prompt.tokens, prompt.prefix_tokens)
+        heal_token = prompt.tokens[-1] if heal else -1
         d = self.defaults
         deadline_ms = d.deadline_ms if options.deadline_ms is None else options.deadline_ms
         # A request may ask for more than the default; the window still bounds prompt + completion.
@@ -92,7 +93,7 @@ class CompletionPipeline:
         prefix = document.prefix
         return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
                        suffix=document.suffix[:SUFFIX_FOR_TRIMMING], next_line=next_nonblank_line(document.suffix),
-                       heal=heal, arrival=arrival, cache_salt=options.cache_salt)
+                       heal=heal, heal_token=heal_token, arrival=arrival, cache_salt=options.cache_salt)
 
 
 class LocalCompleter:

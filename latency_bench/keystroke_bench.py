@@ -182,7 +182,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from completer.checkpoint import resolve_precision
-    precision = resolve_precision("auto")
+    precision = resolve_precision("auto", source=pull() if args.model == "default" else None)
     if any(r in LLAMA_ROWS for r in args.rows):
         llama_peer.server_binary()  # fail now, not after the completer rows
     corpus, files = corpus_files(args.corpus)

@@ -189,6 +189,8 @@ def write_gguf(type_: str, source: Path | None = None, out: Path | None = None) 
 def matched_gguf(precision: str) -> Path:
     """The default model at completer's resolved precision ("fp32", "bf16",
     "int8"; "int4" is the default file, Q4_1), written on first use (seconds)."""
+    if precision == "int4":
+        return pull()
     if precision not in _FOR_PRECISION:
         raise ValueError(f"no llama.cpp GGUF matches completer's precision {precision!r} "
                          f"(only {', '.join(_FOR_PRECISION)})")

@@ -57,6 +57,7 @@ class Sample(msgspec.Struct):
     generated: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    timings: dict | None = None  # completer's `done.timings` (the server's side of the timeline)
 
 
 class ReplayOptions(msgspec.Struct, frozen=True):
@@ -125,6 +126,7 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
                     s.text = ""
                 s.generated, s.prompt_tokens, s.cached_tokens = (
                     t["generated_tokens"], t["prompt_tokens"], t["cached_tokens"])
+                s.timings = t
                 if s.text.strip() and (s.next_key_s is None or s.answer_s <= s.next_key_s):
                     await ws.send(json.dumps({"type": "feedback", "id": msg["id"],
                                               "accepted_chars": len(s.text) if accepted(s) else 0}))

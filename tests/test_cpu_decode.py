@@ -89,9 +89,10 @@ def test_int4_linear_reproduces_q4_1_weights_and_refuses_other_widths():
     w = (q * scale + low).view(N, K)
     layer = Int4Linear(w, None)
     torch.testing.assert_close(layer.dequantized(), w, atol=1e-5, rtol=1e-5)
-    # torch's int4 kernel (bf16 activations where the CPU has native bf16); unpacked to fp32 for prefill
-    gemv_tol = 1e-4 if layer.compute_dtype == torch.float32 else 2e-2
-    for rows, tol in ((3, gemv_tol), (Int4Linear.GEMV_ROWS + 1, 1e-4)):
+    # torch's int4 kernel, and for prefill one GEMM on the unpacked weights: both in bf16 where
+    # the CPU has native bf16, else fp32
+    tol = 1e-4 if layer.compute_dtype == torch.float32 else 2e-2
+    for rows in (3, Int4Linear.GEMV_ROWS + 1):
         x = torch.randn(rows, K)
         y = F.linear(x, w)
         torch.testing.assert_close(layer(x), y, atol=tol * y.abs().max().item(), rtol=tol)

@@ -91,14 +91,24 @@ def _row_slices(tables: list[list[int]], starts: list[int], query_lens: list[int
     return slices
 
 
+class PassInterrupted(Exception):
+    """A pass given up between layers: every sequence in it was cancelled."""
+
+
 class PagedAttention:
-    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None,
+                 interrupted: Callable[[], bool] | None = None):
+        """interrupted: asked before each layer; True gives the pass up
+        (PassInterrupted), its K/V past each row's `computed` left unwritten or stale."""
         self.pool, self.meta = pool, meta
         self.layer_written = layer_written
+        self.interrupted = interrupted
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This pass's K/V ([B, Hkv, T, D]) into their slots; returns the layer's
         pools. (index_copy_: several times faster than [] assignment on CPU.)"""
+        if self.interrupted is not None and self.interrupted():
+            raise PassInterrupted
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         slots = self.meta.slot_mapping
         kp.index_copy_(0, slots, k.transpose(1, 2).reshape(slots.shape[0], *kp.shape[1:]).to(kp.dtype))
@@ -109,8 +119,9 @@ class PagedAttention:
 
 
 class TorchAttention(PagedAttention):
-    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
-        super().__init__(pool, meta, layer_written)
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None,
+                 interrupted: Callable[[], bool] | None = None):
+        super().__init__(pool, meta, layer_written, interrupted)
         bs, span = pool.block_size, meta.max_context
         tables = meta.block_tables.long()
         B, T = meta.positions.shape
@@ -150,8 +161,9 @@ class TorchAttention(PagedAttention):
 class TritonAttention(PagedAttention):
     MAX_NEW = 16  # new tokens per row it takes (one kernel query each)
 
-    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None):
-        super().__init__(pool, meta, layer_written)
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, layer_written: Callable[[int], None] | None = None,
+                 interrupted: Callable[[], bool] | None = None):
+        super().__init__(pool, meta, layer_written, interrupted)
         T = meta.positions.shape[1]
         self.query_tables = meta.block_tables if T == 1 else meta.block_tables.repeat_interleave(T, 0)
 

@@ -86,7 +86,9 @@ class Candidates:
             candidate = self.new_sequence(request)
             if not self.kv.admit(candidate, running):
                 break  # the rest would not fit either
-            if candidate.prefill_left > self.kv.block_size:  # the prompt's K/V left the cache: no longer cheap
+            # The target's K/V of the prompt left the cache: no longer cheap. (The drafter's may
+            # not be there yet: it takes the prompt in when it first drafts, spec.defer_draft_prefill.)
+            if candidate.prompt_len - candidate.kv["target"].computed > self.kv.block_size:
                 self.kv.free(candidate)
                 break
             candidate.candidate_of, candidate.candidate_rank, candidate.first_token = seq, rank, token

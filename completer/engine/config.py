@@ -29,6 +29,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # First tokens go out as soon as the prefill pass made them, and cancels that came
     # meanwhile apply before the decode pass (else both wait for the step's end).
     between_passes: bool = True
+    # Token healing's backed-off token rides the prefill pass as a one-token
+    # draft: when the healed first token is that token (most often), the pass
+    # also made the second, and the first text is out a pass sooner.
+    heal_in_prefill: bool = True
+    # A pass whose every sequence a newer keystroke cancelled is given up
+    # between layers, so the new request does not wait for it to finish.
+    interrupt_superseded: bool = True
     # A request's extra candidates (protocol `n`) are forked only while the
     # running batch, with them, stays within this: each is a row of every
     # decode pass, nearly free while passes are bound by reading the weights.
@@ -45,6 +52,10 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ngram_min: int = 2
     ngram_max: int = 4
     draft_share: float = 0.15  # share of kv_cache_mb given to the drafter's cache
+    # The drafter takes in a new prompt when it first drafts for it, after the
+    # first token is out (and never, where speculation does not pay);
+    # false: beside the target's prefill, before the first token.
+    defer_draft_prefill: bool = True
 
 
 # -- validation -----------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from completer.engine.attention import PassInterrupted
 from completer.engine.block_manager import BlockManager
 from completer.engine.calibration import prefill_rate, time_passes
 from completer.engine.candidates import Candidates
@@ -73,6 +74,9 @@ class EngineCore:
         self.output.candidates = self.candidates
         # Set by the engine loop: takes the events so far, returns the ids cancelled meanwhile.
         self.between_passes: Callable[[list[Event]], list[str]] | None = None
+        # Set by the engine loop: whether cancels for all these request ids are waiting.
+        self.cancelled: Callable[[list[str]], bool] | None = None
+        self.passes_interrupted = 0
         self.disagg: RemotePrefillSteps | None = None
         if remote is not None:
             remote.register(self.target.pool)
@@ -106,7 +110,9 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, submitted: float | None = None) -> None:
+        """submitted: time.perf_counter() when the engine was handed the request
+        (the timeline's end of `prepare_ms`, start of `wait_ms`)."""
         if request.id in self.by_id:
             raise EngineError("bad_request", f"request id {request.id!r} is already in flight")
         if self.scheduler.queue_full:
@@ -116,6 +122,9 @@ class EngineCore:
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
         seq = self._sequence(request)
+        if submitted is not None:
+            seq.timings.prepare_ms = (submitted - request.arrival) * 1000
+            seq.timings.wait_ms = (time.perf_counter() - submitted) * 1000
         self.scheduler.add(seq)
         self.by_id[request.id] = seq
 
@@ -193,6 +202,21 @@ class EngineCore:
     # -- the iteration ------------------------------------------------------
 
     def step(self) -> list[Event]:
+        try:
+            return self._step()
+        except PassInterrupted:  # every running request was cancelled mid-pass: they end now
+            self.passes_interrupted += 1
+            for request_id in self.between_passes(self.output.drain()):
+                self.abort(request_id)
+            return self.output.drain()
+
+    def _interrupted(self) -> bool:
+        """Before each layer of a pass: whether every running request has a
+        cancel waiting (a newer keystroke superseded them), so the pass is
+        work nobody will see. Only all of them: a pass is never half-given-up."""
+        return self.cancelled([s.id for s in self.scheduler.running])
+
+    def _step(self) -> list[Event]:
         if self.disagg is not None:
             ready, lost = self.disagg.poll()
             for seq in ready:
@@ -227,9 +251,31 @@ class EngineCore:
         for seq in self.scheduler.expire(time.perf_counter()):
             self._finish(seq, "deadline")
 
-    def _run(self, role: str, seqs: list[Sequence], rows: list[list[int]], last_only: bool = False):
+    def _run(self, role: str, seqs: list[Sequence], rows: list[list[int]], last_only: bool = False, last: int = 0,
+             prefill: bool = False):
+        """One pass. A decode or verify pass may be given up when everyone in it
+        was superseded; a prefill pass never is: the next keystroke's prompt
+        mostly starts with the same text, and finds the K/V in the cache."""
         self.kv.allocate(role, seqs, rows)
-        return self.runners[role].execute([s.kv[role] for s in seqs], rows, last_only)
+        interrupted = None
+        if self.cancelled is not None and self.config.interrupt_superseded and not prefill:
+            interrupted = self._interrupted
+        return self.runners[role].execute([s.kv[role] for s in seqs], rows, last_only, last=last,
+                                          interrupted=interrupted)
+
+    def _heals_in_prefill(self, seq: Sequence, role: str, n: int) -> bool:
+        """Whether this chunk ends the prompt and the backed-off token rides
+        along as a draft (the first token is then verified in the same pass)."""
+        return (role == "target" and self.config.heal_in_prefill and seq.request.heal_token >= 0
+                and bool(seq.output.heal) and seq.first_token is None and seq.params.max_tokens >= 2
+                and seq.kv[role].computed + n == seq.prompt_len)
+
+    def _prefills(self, seq: Sequence, role: str) -> bool:
+        """Whether this step prefills the sequence's prompt in this pool: the
+        drafter takes it in when it first drafts, unless priming (which
+        fills every pool) or told otherwise (`spec.defer_draft_prefill`)."""
+        return role in seq.local_roles() and (  # (a worker may prefill the target's)
+            role == "target" or not self.spec.defer_draft_prefill or seq.params.max_tokens == 0)
 
     def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
         """Up to each sequence's budget more prompt tokens in every pool
@@ -237,22 +283,30 @@ class EngineCore:
         the target has its whole prompt."""
         last: dict[str, torch.Tensor] = {}
         for role in self.kv.roles:
-            chunks = [(seq, n) for seq, budget in plan if role in seq.local_roles()  # (a worker may prefill one)
+            chunks = [(seq, n) for seq, budget in plan if self._prefills(seq, role)
                       and (n := min(budget, seq.prompt_len - seq.kv[role].computed)) > 0]
             groups = padded_groups(chunks) if self.config.batch_prefill else [[c] for c in chunks]
             for group in groups:
                 seqs = [seq for seq, _ in group]
-                rows = [seq.tokens[seq.kv[role].computed: seq.kv[role].computed + n] for seq, n in group]
+                heals = [self._heals_in_prefill(seq, role, n) for seq, n in group]
+                rows = [seq.tokens[seq.kv[role].computed: seq.kv[role].computed + n]
+                        + ([seq.request.heal_token] if heal else []) for (seq, n), heal in zip(group, heals)]
                 started = time.perf_counter()
-                logits = self._run(role, seqs, rows, last_only=True)
+                logits = self._run(role, seqs, rows, last=2 if any(heals) else 1, prefill=True)
+                took_ms = (time.perf_counter() - started) * 1000
                 for b, seq in enumerate(seqs):
-                    self.kv.publish(seq, role)
+                    self.kv.publish(seq, role)  # (not the heal token: it is not in seq.tokens yet)
                     if role == "target":
-                        last[seq.id] = logits[b]
+                        seq.timings.prefill_ms += took_ms
+                        seq.target_passes += 1
+                        last[seq.id] = logits[b, 0] if heals[b] else logits[b, -1]
+                        seq.after_heal_logits = logits[b, 1] if heals[b] else None
+                    else:
+                        seq.timings.draft_ms += took_ms
                 if role == "target" and self.disagg is not None:
-                    self.disagg.remote.observe_local(sum(map(len, rows)), time.perf_counter() - started)
+                    self.disagg.remote.observe_local(sum(map(len, rows)), took_ms / 1000)
         for seq, _ in plan:
-            if seq.id in last and seq.kv["target"].computed == seq.prompt_len:
+            if seq.id in last and seq.kv["target"].computed >= seq.prompt_len:
                 seq.first_logits = last[seq.id]
             self._start_decoding(seq)
 
@@ -270,13 +324,17 @@ class EngineCore:
             return
         logits, seq.first_logits = seq.first_logits, None
         seq.status = Status.DECODE
+        after_heal, seq.after_heal_logits = seq.after_heal_logits, None
         if seq.first_token is not None:  # a candidate: its first token was chosen when it was forked
-            token = seq.first_token
+            tokens = [seq.first_token]
         else:
             logits = self.sampler.constrain(seq, logits)
-            token = self.sampler.sample(seq, logits, heal=False)[0]
-            self.candidates.fork(seq, logits, token)
-        self._postprocess(seq, [token])
+            tokens = [self.sampler.sample(seq, logits, heal=False)[0]]
+            self.candidates.fork(seq, logits, tokens[0])
+        if after_heal is not None and tokens[0] == seq.request.heal_token:
+            # The draft held: that token spells all the backed-off bytes, so the next is unconstrained.
+            tokens.append(self.sampler.sample(seq, after_heal, heal=False)[0])
+        self._postprocess(seq, tokens)  # (a rejected heal token's K/V is rolled back there)
 
     def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[list[int]]:
         """One target pass over `[last token] + proposal` per sequence; the
@@ -284,6 +342,11 @@ class EngineCore:
         rows = [[s.tokens[-1]] + (proposals[s.id].tokens if s.id in proposals else []) for s in seqs]
         started = time.perf_counter()
         logits = self._run("target", seqs, rows)
+        took_ms = (time.perf_counter() - started) * 1000
+        for seq in seqs:
+            seq.timings.decode_ms += took_ms
+            seq.timings.decode_passes += 1
+            seq.target_passes += 1
         out = []
         for b, seq in enumerate(seqs):
             proposal = proposals.get(seq.id)

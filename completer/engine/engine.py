@@ -9,6 +9,7 @@ import asyncio
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -88,6 +89,7 @@ class Engine:
     def __init__(self, core: EngineCore):
         self.core = core
         core.between_passes = self._between_passes
+        core.cancelled = self._cancel_waiting
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
@@ -96,6 +98,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._cancels = 0  # cancels in the inbox (read without the lock: a stale count costs a layer)
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
@@ -165,17 +168,27 @@ class Engine:
                 in_flight = self._in_flight_under.setdefault(supersede, set())
                 if ends_others:
                     self._inbox += [("cancel", old) for old in sorted(in_flight)]
+                    self._cancels += len(in_flight)
                     in_flight.clear()
                 in_flight.add(request.id)
                 self._key_of[request.id] = supersede
-            self._inbox.append(("add", request))
+            self._inbox.append(("add", (request, time.perf_counter())))
             self._cond.notify()
         return stream
 
     def cancel(self, request_id: str) -> None:
         with self._cond:
             self._inbox.append(("cancel", request_id))
+            self._cancels += 1
             self._cond.notify()
+
+    def _cancel_waiting(self, request_ids: list[str]) -> bool:
+        """From the engine thread, between layers: every one of these has a cancel in the inbox."""
+        if not self._cancels or not request_ids:
+            return False
+        with self._cond:
+            waiting = {arg for op, arg in self._inbox if op == "cancel"}
+        return waiting.issuperset(request_ids)
 
     def _run(self) -> None:
         core = self.core
@@ -198,19 +211,20 @@ class Engine:
                 busy = True
                 if self._stopping:
                     return
-                inbox, self._inbox = self._inbox, []
+                inbox, self._inbox, self._cancels = self._inbox, [], 0
             events: list = []
             for op, arg in inbox:
                 if op == "cancel":
                     core.abort(arg)
                     continue
+                request, submitted = arg
                 try:
-                    core.add(arg)
+                    core.add(request, submitted)
                 except EngineError as e:
-                    events.append((arg.id, e))
+                    events.append((request.id, e))
                 except Exception as e:  # a bug: this request fails, the engine goes on
-                    log.exception("engine: request %s failed to start", arg.id)
-                    events.append((arg.id, EngineError("internal", f"{type(e).__name__}: {e}")))
+                    log.exception("engine: request %s failed to start", request.id)
+                    events.append((request.id, EngineError("internal", f"{type(e).__name__}: {e}")))
             if core.has_work:
                 try:
                     events += as_delivered(core.step())
@@ -233,6 +247,7 @@ class Engine:
             ops = self._inbox
             now = [arg for op, arg in ops if op == "cancel" and arg in self.core.by_id]
             self._inbox = [(op, arg) for op, arg in ops if not (op == "cancel" and arg in now)]
+            self._cancels = sum(op == "cancel" for op, _ in self._inbox)
         return now
 
     def _dispatch(self, events: list) -> None:

@@ -66,9 +66,11 @@ class KVCacheManager:
         self.pools[role].truncate(state.table, state.computed)
 
     def publish(self, seq: Sequence, role: str) -> None:
-        """seq.tokens[:computed] are accepted: offer their full blocks to the prefix cache."""
+        """seq.tokens[:computed] are accepted: offer their full blocks to the prefix cache.
+        (K/V computed past seq.tokens, a draft riding a prefill pass, is not.)"""
         state = seq.kv[role]
-        self.pools[role].publish(state.table, state.chain, seq.tokens, state.computed, seq.cache_salt)
+        self.pools[role].publish(state.table, state.chain, seq.tokens, min(state.computed, len(seq.tokens)),
+                                 seq.cache_salt)
 
     def free(self, seq: Sequence) -> None:
         for role, pool in self.pools.items():

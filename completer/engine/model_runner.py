@@ -38,15 +38,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
-                layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
+                layer_written: Callable[[int], None] | None = None, last: int = 0,
+                interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run each row's tokens at positions state.computed onward. Returns
-        logits [B, T, V] (rows padded to the longest), or [B, V] for each row's
-        last token with `last_only`. Advances `computed`. `layer_written(l)`
-        is called once layer l's new K/V are in the pool (a prefill worker
-        ships them while the next layers run)."""
+        logits [B, T, V] (rows padded to the longest), [B, V] for each row's
+        last token with `last_only`, or [B, last, V] for each row's `last` last
+        tokens. Advances `computed`. `layer_written(l)` is called once layer
+        l's new K/V are in the pool (a prefill worker ships them while the
+        next layers run). `interrupted()`, asked before each layer, may give
+        the pass up (`attention.PassInterrupted`; `computed` unchanged)."""
         lens = [len(r) for r in rows]
         width = max(lens)
-        plain = self.graphs is not None and width == 1 and self.graphs.fits(len(rows)) and layer_written is None
+        plain = (self.graphs is not None and width == 1 and self.graphs.fits(len(rows)) and layer_written is None
+                 and last <= 1)
         meta = AttentionMetadata.build([s.table for s in states], [s.computed for s in states], lens,
                                        self.block_size, "cpu" if plain else self.device)
         if plain:
@@ -57,11 +61,14 @@ class ModelRunner:
             for b, row in enumerate(rows):
                 tokens[b, : len(row)] = torch.tensor(row)
             triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
-            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written)
+            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written, interrupted)
             hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
             if last_only:
-                last = torch.tensor([n - 1 for n in lens], device=self.device)
-                hidden = hidden[torch.arange(len(rows), device=self.device), last]
+                ends = torch.tensor([n - 1 for n in lens], device=self.device)
+                hidden = hidden[torch.arange(len(rows), device=self.device), ends]
+            elif last:
+                at = torch.tensor([[max(0, n - last + j) for j in range(last)] for n in lens], device=self.device)
+                hidden = hidden[torch.arange(len(rows), device=self.device)[:, None], at]
             logits = self.model.logits(hidden)
         for state, n in zip(states, lens):
             state.computed += n

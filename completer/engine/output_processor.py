@@ -42,6 +42,7 @@ class OutputProcessor:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
+            seq.timings.first_token_passes = seq.target_passes
         self.events.append(Delta(seq.id, text))
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -45,6 +45,10 @@ class Request(msgspec.Struct, frozen=True):
     # time.perf_counter() when the request arrived (a frame read off the
     # socket): queueing, TTFT, total time and the deadline count from here.
     arrival: float = msgspec.field(default_factory=time.perf_counter)
+    # The backed-off token itself (token healing): the prefill pass runs it as a
+    # one-token draft, so when the healed first token is that same token the
+    # pass has already computed the next one. -1: none.
+    heal_token: int = -1
 
 
 class Timings(msgspec.Struct):
@@ -66,6 +70,21 @@ class Timings(msgspec.Struct):
     prefill_reason: str = ""
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0
+    # Extensions: where a keystroke's time went (the critical path). From the
+    # arrival: `prepare_ms` building the prompt (document update, tokenizing)
+    # until the engine has it; `wait_ms` then until the engine thread takes
+    # it (a pass already running); then `queue_ms` ends at admission. Passes:
+    # the target's prefill passes this request was in (`prefill_ms`), the
+    # drafter's passes for it (catching up on the prompt, drafting: `draft_ms`),
+    # the target's decode and verify passes (`decode_passes`, `decode_ms`), and
+    # how many target passes came before the first delta (`first_token_passes`).
+    prepare_ms: float = 0.0
+    wait_ms: float = 0.0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_passes: int = 0
+    first_token_passes: int = 0
 
 
 class Delta(msgspec.Struct, frozen=True):

@@ -54,6 +54,10 @@ class Sequence:
         self.spec = spec  # acceptance per proposal source
         self.remote_job: int | None = None  # the worker job writing its target K/V
         self.first_logits: torch.Tensor | None = None  # once the target has the whole prompt
+        # With the heal token verified in the prefill pass: the logits after it
+        # (the second token, if the first is that token).
+        self.after_heal_logits: torch.Tensor | None = None
+        self.target_passes = 0  # target passes this request was in (Timings.first_token_passes)
         self.ngram = None  # proposers.NgramIndex, built on first use
         self.generator: torch.Generator | None = None  # seeded sampling
         if request.params.seed is not None:

@@ -47,6 +47,15 @@ class Metrics:
         self.queue = hist("request_queue_time_seconds", "Time waiting for admission.")
         self.prefill = hist("request_prefill_time_seconds", "Admission to first token.")
         self.decode = hist("request_decode_time_seconds", "First token to the end.")
+        # The keystroke's critical path (Timings' extensions): what the first token waited for.
+        self.prepare = hist("request_prepare_time_seconds", "Frame read to the engine having the request "
+                            "(document update, tokenizing).")
+        self.engine_wait = hist("request_engine_wait_time_seconds", "The engine having the request to its "
+                                "thread taking it: waiting behind a pass already running.")
+        self.prefill_pass = hist("request_prefill_pass_time_seconds", "Time in the target's prefill passes.")
+        self.first_token_passes = Histogram(
+            "completer_request_passes_to_first_token", "Target passes up to a request's first delta.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r)
         self.prompt_tokens = Counter("completer_prompt_tokens", "Prompt tokens.", registry=r)
         self.cached_tokens = Counter("completer_prompt_tokens_cached", "Prompt tokens whose KV came from cache.",
                                      registry=r)
@@ -175,6 +184,11 @@ class Metrics:
         else:
             ttft, total = t.ttft_ms / 1000, t.total_ms / 1000
             decode_s = max(0.0, total - ttft)
+            self.prepare.observe(t.prepare_ms / 1000)
+            self.engine_wait.observe(t.wait_ms / 1000)
+            self.prefill_pass.observe(t.prefill_ms / 1000)
+            if t.first_token_passes:
+                self.first_token_passes.observe(t.first_token_passes)
             self.observe(Record(
                 at=time.time(), ttft=ttft, e2e=time.perf_counter() - received,
                 itl=decode_s / (t.generated_tokens - 1) if t.generated_tokens > 1 else None,
