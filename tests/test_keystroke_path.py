@@ -5,11 +5,14 @@ text arrives, never which text."""
 
 import msgspec
 import pytest
+import torch
 
 from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.moved_kv import longest_shared_run
 from completer.engine.request import Request
 from completer.healing import TokenHealer
-from engine_harness import build_models, free_mode, make_core, prompts, run, usage
+from completer.model import Transformer
+from engine_harness import CFG, build_models, free_mode, make_core, prompts, run, usage
 
 CONFIG = EngineConfig(block_size=4, prefill_chunk=64)
 
@@ -148,3 +151,55 @@ def test_timings_account_for_the_passes(models, code_tok):
         assert t.prefill_ms > 0 and t.decode_passes >= 1 and t.decode_ms > 0
         assert t.decode_passes <= t.generated_tokens - 1  # the first token came with the prefill pass
         assert t.prefill_ms + t.decode_ms + t.draft_ms <= t.total_ms + 1e-6
+
+
+# -- a jump within a file: K/V of text that moved ---------------------------------------------
+
+def test_longest_shared_run_finds_the_moved_text():
+    donor = list(range(100, 300))
+    new = [1, 2, 3] + donor[40:150] + [7, 8, 9]
+    assert longest_shared_run(new, 0, len(new) - 1, donor) == (3, 40, 110)
+    assert longest_shared_run(new, 50, len(new) - 1, donor) == (50, 87, 63)  # from `start` on
+    assert longest_shared_run([5] * 20, 0, 19, donor)[2] == 0
+
+
+def one_layer_models():
+    """K/V of a single layer depend only on each token and its position, so
+    moved K/V re-rotated are exactly what recomputing them gives."""
+    torch.manual_seed(1)
+    target = Transformer(msgspec.structs.replace(CFG, num_hidden_layers=1)).eval()
+    target.init_weights(0.3)
+    return target, None
+
+
+def test_moved_kv_reproduces_recomputed_text_on_a_one_layer_model(code_tok):
+    models = one_layer_models()
+    g = torch.Generator().manual_seed(3)
+    text = torch.randint(5, 320, (260,), generator=g).tolist()
+    first = [11, 12, 13, 14] + text[:200]  # the window before the jump
+    after = [11, 12, 13, 14] + text[56:250]  # after it: the start moved 56 tokens down
+    core = make_core(models, code_tok, draft=None, config=CONFIG)
+    run(core, [Request("before", first, free_mode(4))])
+    got = run(core, [Request("jump", after, free_mode(16))])["jump"]
+    fresh = run(make_core(models, code_tok, draft=None, config=CONFIG), [Request("jump", after, free_mode(16))])
+    assert got.timings.moved_tokens >= 128 and got.timings.cached_tokens == 4
+    assert got.text == fresh["jump"].text
+    assert usage(core) == 0
+    off = make_core(models, code_tok, draft=None, config=msgspec.structs.replace(CONFIG, reuse_moved_kv=False))
+    run(off, [Request("before", first, free_mode(4))])
+    assert run(off, [Request("jump", after, free_mode(16))])["jump"].timings.moved_tokens == 0
+
+
+def test_moved_kv_up_the_file_and_a_cancel_before_the_copy_return_every_block(models, code_tok):
+    g = torch.Generator().manual_seed(5)
+    text = torch.randint(5, 320, (300,), generator=g).tolist()
+    core = make_core(models, code_tok, config=CONFIG)
+    run(core, [Request("low", [3] * 4 + text[100:280], free_mode(4))])
+    # Up the file: new text first, then the text the last prompt began with (copied mid-prompt).
+    up = run(core, [Request("up", [3] * 4 + text[40:200], free_mode(8))])["up"]
+    assert up.timings.moved_tokens >= 64
+    core.add(Request("gone", [3] * 4 + text[10:170], free_mode(8)))
+    core.step()  # admitted, the moved run's source blocks held, prefill begun
+    core.abort("gone")
+    core.step()
+    assert usage(core) == 0 and usage(core, "draft") == 0

@@ -36,6 +36,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A pass whose every sequence a newer keystroke cancelled is given up
     # between layers, so the new request does not wait for it to finish.
     interrupt_superseded: bool = True
+    # After a jump within a file the window's start moves and the prefix cache
+    # misses; the longest run of the new prompt that a recent prompt computed
+    # (at other positions) is copied in with its keys re-rotated, as llama.cpp's
+    # --cache-reuse shifts chunks (engine/moved_kv.py; not with disaggregation).
+    reuse_moved_kv: bool = True
     # A request's extra candidates (protocol `n`) are forked only while the
     # running batch, with them, stays within this: each is a row of every
     # decode pass, nearly free while passes are bound by reading the weights.

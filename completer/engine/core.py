@@ -106,7 +106,8 @@ class EngineCore:
                 attention = "triton" if pool.device.type == "cuda" else "torch"
             runners[role] = ModelRunner(model, pool, attention, config.cuda_graphs)
             pools[role] = BlockManager(n, config.block_size, config.prefix_cache)
-        return cls(runners, KVCacheManager(pools, spec.k_max + 1), tokenizer, stop_ids, config, spec, remote)
+        kv = KVCacheManager(pools, spec.k_max + 1, moved_kv=config.reuse_moved_kv and remote is None)
+        return cls(runners, kv, tokenizer, stop_ids, config, spec, remote)
 
     # -- requests -----------------------------------------------------------
 
@@ -282,9 +283,12 @@ class EngineCore:
         (chunks of similar length in one pass); a sequence's first token once
         the target has its whole prompt."""
         last: dict[str, torch.Tensor] = {}
+        for seq, _ in plan:
+            if seq.moved is not None and seq.kv["target"].computed == seq.moved.at:
+                self._copy_moved(seq)
         for role in self.kv.roles:
             chunks = [(seq, n) for seq, budget in plan if self._prefills(seq, role)
-                      and (n := min(budget, seq.prompt_len - seq.kv[role].computed)) > 0]
+                      and (n := min(budget, self._prefill_end(seq, role) - seq.kv[role].computed)) > 0]
             groups = padded_groups(chunks) if self.config.batch_prefill else [[c] for c in chunks]
             for group in groups:
                 seqs = [seq for seq, _ in group]
@@ -309,6 +313,19 @@ class EngineCore:
             if seq.id in last and seq.kv["target"].computed >= seq.prompt_len:
                 seq.first_logits = last[seq.id]
             self._start_decoding(seq)
+
+    @staticmethod
+    def _prefill_end(seq: Sequence, role: str) -> int:
+        """Prefill runs up to a moved run's start (copied in next), else the prompt's end."""
+        if role == "target" and seq.moved is not None:
+            return seq.moved.at
+        return seq.prompt_len
+
+    def _copy_moved(self, seq: Sequence) -> None:
+        run, slots = self.kv.moved_slots(seq)
+        self.target.copy_moved(run.src_slots, slots, run.shift)
+        self.kv.moved_done(seq)
+        seq.timings.moved_tokens += run.length
 
     def _start_decoding(self, seq: Sequence) -> None:
         """The first token, once the target holds the whole prompt (a lagging

@@ -9,17 +9,21 @@ from __future__ import annotations
 from typing import Iterable
 
 from completer.engine.block_manager import BlockManager
+from completer.engine.moved_kv import Donors, MovedRun
 from completer.engine.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, pools: dict[str, BlockManager], lookahead: int):
+    def __init__(self, pools: dict[str, BlockManager], lookahead: int, moved_kv: bool = False):
         """pools: role -> its block manager (one block size for all).
-        lookahead: tokens past max_tokens a verify pass may write (k_max + 1)."""
+        lookahead: tokens past max_tokens a verify pass may write (k_max + 1).
+        moved_kv: a prompt may take K/V the target computed for the same text
+        at other positions (`moved_kv`; the drafter recomputes)."""
         self.pools = pools
         self.roles = tuple(pools)
         self.block_size = next(iter(pools.values())).block_size
         self.lookahead = lookahead
+        self.donors = Donors(pools["target"]) if moved_kv else None
 
     def worst_case(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks a sequence may hold at most (prompt, completion, a last verify pass)."""
@@ -50,7 +54,27 @@ class KVCacheManager:
             fits &= need <= pool.num_free - self._reserved(role, running)
         if not fits:
             self.free(seq)
-        return fits
+            return False
+        if self.donors is not None:
+            pool, state = self.pools["target"], seq.kv["target"]
+            spare = pool.num_free - self._reserved("target", running) - \
+                (self.worst_case(seq.prompt_len, seq.params.max_tokens) - len(state.table))
+            seq.moved = self.donors.plan(seq.tokens[: seq.prompt_len], state.computed, seq.cache_salt, spare)
+        return True
+
+    def moved_slots(self, seq: Sequence) -> tuple[MovedRun, list[int]]:
+        """The sequence's moved run and its destination slots (blocks grown for them)."""
+        run, state = seq.moved, seq.kv["target"]
+        pool, bs = self.pools["target"], self.block_size
+        pool.grow(state.table, run.at + run.length)
+        return run, [state.table[p // bs] * bs + p % bs for p in range(run.at, run.at + run.length)]
+
+    def moved_done(self, seq: Sequence) -> None:
+        """The run's K/V are in place: they count as computed; the source blocks are let go."""
+        run, seq.moved = seq.moved, None
+        seq.kv["target"].computed += run.length
+        self.pools["target"].release(run.blocks)
+        self.publish(seq, "target")
 
     def allocate(self, role: str, seqs: list[Sequence], rows: list[list[int]]) -> None:
         """Blocks for each row's new tokens (within the reservation)."""
@@ -73,6 +97,11 @@ class KVCacheManager:
                                  seq.cache_salt)
 
     def free(self, seq: Sequence) -> None:
+        if seq.moved is not None:
+            self.pools["target"].release(seq.moved.blocks)
+            seq.moved = None
+        if self.donors is not None and seq.kv["target"].chain:
+            self.donors.remember(seq.cache_salt, seq.tokens, seq.kv["target"].chain)
         for role, pool in self.pools.items():
             state = seq.kv[role]
             pool.release(state.table)

@@ -17,7 +17,7 @@ from completer.engine.attention import AttentionMetadata, TorchAttention, Triton
 from completer.engine.cuda_graphs import DecodeGraphs
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
-from completer.model import Transformer
+from completer.model import Transformer, apply_rope
 
 
 class ModelRunner:
@@ -35,6 +35,19 @@ class ModelRunner:
         if attention == "triton":
             max_blocks = min(-(-model.config.max_position_embeddings // self.block_size), pool.num_blocks - 1)
             self.graphs = DecodeGraphs(model, pool, max_blocks, cuda_graphs)
+
+    @torch.inference_mode()
+    def copy_moved(self, src_slots: list[int], dst_slots: list[int], shift: int) -> None:
+        """K/V of the tokens in `src_slots` into `dst_slots`, `shift` positions
+        later (or earlier): keys turned by the rotation of `shift` positions
+        (without YaRN's scale, which they already carry), values as they are."""
+        src = torch.tensor(src_slots, device=self.device)
+        dst = torch.tensor(dst_slots, device=self.device)
+        angles = shift * self.model.inv_freq.float()
+        angles = torch.cat((angles, angles))
+        k = self.pool.k.index_select(1, src)  # [layers, n, kv heads, head dim]
+        self.pool.k.index_copy_(1, dst, apply_rope(k, angles.cos(), angles.sin()))
+        self.pool.v.index_copy_(1, dst, self.pool.v.index_select(1, src))
 
     @torch.inference_mode()
     def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,

@@ -78,6 +78,7 @@ class Timings(msgspec.Struct):
     # drafter's passes for it (catching up on the prompt, drafting: `draft_ms`),
     # the target's decode and verify passes (`decode_passes`, `decode_ms`), and
     # how many target passes came before the first delta (`first_token_passes`).
+    moved_tokens: int = 0  # prompt tokens whose K/V were copied from where a recent prompt had them
     prepare_ms: float = 0.0
     wait_ms: float = 0.0
     prefill_ms: float = 0.0
