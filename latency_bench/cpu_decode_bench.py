@@ -30,8 +30,10 @@ CPU (bf16 where native, else fp32). Each at batch 1 and 4
 - keystroke line (batch-1 rows): for `--cases` held-out cursors, the prompt
   of one char less is sent first (warm), then the full one, `line` mode,
   timed from send to its last token; completer with speculation as shipped
-  (drafter + n-gram), llama.cpp plain (`cache_prompt`, stop at "\\n"). The
-  same token ids on both; one extra case first as warm-up.
+  (drafter + n-gram), llama.cpp plain (`cache_prompt`, stop at "\\n").
+  completer's requests come through its pipeline as every caller's do (the
+  same window and template, token healing); llama.cpp gets that window's
+  token ids; one extra case first as warm-up.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ from completer.evaluate import heldout_files, line_starts  # noqa: E402
 from completer.loading import load  # noqa: E402
 from completer.checkpoint import resolve_precision  # noqa: E402
 from completer.model_store import resolve_draft, resolve_target  # noqa: E402
-from completer.pipeline import SUFFIX_FOR_TRIMMING, display_path  # noqa: E402
+from completer.config import Config  # noqa: E402
+from completer.pipeline import CompletionPipeline, RequestOptions, display_path  # noqa: E402
+from completer.protocol import Document  # noqa: E402
 
 COMPLETER_ROWS = {  # name: (precision, fuse, compile)
     "fp32": ("fp32", True, False), "fp32_unfused": ("fp32", False, False), "fp32_compiled": ("fp32", True, True),
@@ -188,10 +192,14 @@ async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict
     engine = Engine.build(target, draft, EngineConfig(**threads, **extra), SpecConfig())
     engine.start()
     times, tokens = [], []
+    pipeline = CompletionPipeline(target, Config())
+    line = RequestOptions(mode="line", max_tokens=64)
     try:
-        for i, (before, after, cursor_line, suffix) in enumerate(keys):
-            await ask(engine, f"prev{i}", before, 1, "line")
-            t = await ask(engine, f"key{i}", after, 64, "line", cursor_line=cursor_line, suffix=suffix)
+        for i, (_, _, before, after) in enumerate(keys):
+            state = pipeline.document()
+            await engine.submit(pipeline.request(f"prev{i}", before, (), RequestOptions(mode="line", max_tokens=1),
+                                                 state)).finished()
+            t = (await engine.submit(pipeline.request(f"key{i}", after, (), line, state)).finished()).timings
             if i:  # the first is a warm-up
                 times.append(t.total_ms)
                 tokens.append(t.generated_tokens)
@@ -268,10 +276,13 @@ def inputs(args) -> tuple[dict, list]:
     keys = []
     # Cursors inside a line's text (the rest of the line to write): a line start's
     # prompt ends in indentation, after which llama.cpp's "\n" stop often ends at once.
+    # Per case: llama.cpp's prompts (before the last char, then with it) and the same two
+    # documents, which completer's rows send through its pipeline (healing included).
     for f, cursor, end in line_starts(files, args.cases + 1, args.seed, mid_line=True):
-        prefix, suffix, path = f.text[:cursor], f.text[end:], display_path(Path("/", f.path).as_uri())
+        prefix, suffix, uri = f.text[:cursor], f.text[end:], Path("/", f.path).as_uri()
+        path = display_path(uri)
         keys.append((builder.build(prefix[:-1], suffix, path).tokens, builder.build(prefix, suffix, path).tokens,
-                     prefix[prefix.rfind("\n") + 1:], suffix[:SUFFIX_FOR_TRIMMING]))
+                     Document(uri, prefix[:-1], suffix), Document(uri, prefix, suffix)))
     return prompts, keys
 
 

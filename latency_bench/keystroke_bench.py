@@ -71,6 +71,14 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "no_speculation": (KV, "model.draft=", "spec.ngram=false"),
     "no_between_passes": (KV, "engine.between_passes=false"),
     "fp8": (KV, "model.precision=fp8"),  # on a CPU, an emulation (quality, not speed)
+    # The keystroke path's switches (#25), each off alone, and all off at the precision
+    # `auto` chose before (bf16 where native): the path as it was.
+    "no_heal_in_prefill": (KV, "engine.heal_in_prefill=false"),
+    "eager_draft_prefill": (KV, "spec.defer_draft_prefill=false"),
+    "no_interrupt": (KV, "engine.interrupt_superseded=false"),
+    "no_moved_kv": (KV, "engine.reuse_moved_kv=false"),
+    "path_before_bf16": (KV, "model.precision=bf16", "engine.heal_in_prefill=false", "spec.defer_draft_prefill=false",
+                         "engine.interrupt_superseded=false", "engine.reuse_moved_kv=false"),
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
     # other core; the engine keeps one. The threshold is below the window so it can.
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
@@ -163,8 +171,12 @@ def llama_row(name: str, editors: list[int], args, files, progress, precision: s
             opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
             runs[str(n)] = run_one(opts, files, progress, llama=url, builder_for=builder_for)
             runs[str(n)]["load_average"] = machine().load_average
+    # The peer's configuration as it ran (its command line at 1 editor; -np and -c follow the editor count).
+    command = llama_peer.server_command(llama_peer.server_binary(), gguf, port=0, threads=args.threads, parallel=1,
+                                        ctx_per_slot=CONTEXT_TOKENS, extra=flags)
     return {"kind": "llama.cpp", "gguf": gguf.name, "version": llama_peer.DEFAULT_VERSION,
-            "flags": list(flags), "runs": runs}
+            "flags": list(flags), "command": command[1:],
+            "weights_repacked": gguf not in llama_peer.STARTED_WITHOUT_REPACK, "runs": runs}
 
 
 def main() -> None:

@@ -239,12 +239,23 @@ async def replay(traces_: list[Trace], opts: ReplayOptions, *, url: str = "", to
     return sorted(samples, key=lambda s: (s.editor, s.key))
 
 
+MIN_SAMPLES = 20  # a percentile of fewer answers is not reported
+
+
 def percentile_ms(values: list[float], q: float) -> float | None:
-    return nearest_rank_ms(sorted(values), q)
+    return nearest_rank_ms(sorted(values), q) if len(values) >= MIN_SAMPLES else None
 
 
-def summarize(samples: list[Sample]) -> dict:
-    ended = [s for s in samples if s.outcome.startswith("done:") and s.outcome not in ("done:cancelled",)]
+def finished(s: Sample, deadline_s: float) -> bool:
+    """A suggestion that ended by itself: not cancelled, not cut off by its
+    deadline (completer's `deadline`; llama.cpp's `t_max_predict_ms` ends
+    with stop type `limit`, as `n_predict` does, so the time tells)."""
+    return (s.outcome.startswith("done:") and s.outcome not in ("done:cancelled", "done:deadline")
+            and s.answer_s is not None and s.answer_s < deadline_s)
+
+
+def summarize(samples: list[Sample], deadline_ms: float = ReplayOptions().deadline_ms) -> dict:
+    ended = [s for s in samples if finished(s, deadline_ms / 1000)]
     firsts = [s.ttft_s for s in samples if s.ttft_s is not None]
     first_answer = [(s.ttft_s if s.ttft_s is not None else s.answer_s, s.next_key_s) for s in samples
                     if s.next_key_s is not None]
@@ -257,6 +268,7 @@ def summarize(samples: list[Sample]) -> dict:
     outcomes = Counter(s.outcome for s in samples)
     return {
         "keystrokes": len(samples),
+        "ttft_n": len(firsts), "e2e_n": len(ended), "itl_n": len(itl),
         "served_before_next_key": round(sum(a is not None and a <= n for a, n in first_answer)
                                         / max(1, len(first_answer)), 4),
         "whole_before_next_key": round(sum(s.next_key_s is not None and s.answer_s <= s.next_key_s
@@ -266,6 +278,9 @@ def summarize(samples: list[Sample]) -> dict:
         **{f"itl_p{q}_ms": percentile_ms(itl, q / 100) for q in (50, 90, 99)},
         "completed": len(ended),
         "exact_match": round(sum(s.text.rstrip() == s.expect.rstrip() for s in typed) / max(1, len(typed)), 4),
+        "exact_n": len(typed),
+        # editor-key -> exact, for comparing two rows on the sites both finished
+        "finished_sites": {f"{s.editor}-{s.key}": s.text.rstrip() == s.expect.rstrip() for s in typed},
         "cached_share": round(sum(s.cached_tokens for s in computed) / prompt, 4) if prompt else None,
         "shown": len(shown),
         "accepted_share": round(sum(accepted(s) for s in shown) / max(1, len(shown)), 4),
