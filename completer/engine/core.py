@@ -66,7 +66,10 @@ class EngineCore:
         if spec.ngram:
             proposers.append(NgramProposer(spec.ngram_min, spec.ngram_max))
         if self.draft is not None:
-            proposers.append(DraftModelProposer(self.draft, kv, self.sampler, self.policy.costs))
+            drafter = DraftModelProposer(self.draft, kv, self.sampler, self.policy.costs)
+            if config.interrupt_superseded:
+                drafter.interrupted = self._interrupted
+            proposers.append(drafter)
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
         self.by_id: dict[str, Sequence] = {}  # requests and their candidates
         self.candidates = Candidates(kv, self.scheduler, self.output.stop_ids, config.candidates_max_batch,
@@ -215,7 +218,7 @@ class EngineCore:
         """Before each layer of a pass: whether every running request has a
         cancel waiting (a newer keystroke superseded them), so the pass is
         work nobody will see. Only all of them: a pass is never half-given-up."""
-        return self.cancelled([s.id for s in self.scheduler.running])
+        return self.cancelled is not None and self.cancelled([s.id for s in self.scheduler.running])
 
     def _step(self) -> list[Event]:
         if self.disagg is not None:

@@ -13,7 +13,7 @@ A proposer says how many tokens it could propose for a sequence now
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -92,6 +92,9 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, sampler: Sampler, costs: PassCosts):
         self.runner, self.kv, self.sampler, self.costs = runner, kv, sampler, costs
+        # Set by the core: gives a pass up when everyone in it was superseded (a catch-up
+        # on a long prompt is a drafter pass as long as a prefill).
+        self.interrupted: Callable[[], bool] | None = None
 
     def offer(self, seq: Sequence, limit: int) -> int:
         return limit
@@ -107,14 +110,18 @@ class DraftModelProposer:
             started = time.perf_counter()
             batch = [rows[s.id] for s in active]
             self.kv.allocate("draft", active, batch)
-            logits = self.runner.execute([s.kv["draft"] for s in active], batch, last_only=True)
+            logits = self.runner.execute([s.kv["draft"] for s in active], batch, last_only=True,
+                                         interrupted=self.interrupted)
             for b, seq in enumerate(active):
                 token, q = self.sampler.sample(seq, logits[b], heal=False)
                 if q is not None:
                     probs[seq.id].append(q)
                 drafted[seq.id].append(token)
                 rows[seq.id] = [token]
-            self.costs.observe_draft(len(active), time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.costs.observe_draft(len(active), took)
+            for seq in active:
+                seq.timings.draft_ms += took * 1000
             active = [s for s in active if len(drafted[s.id]) < want[s.id]]
         return {sid: Proposal(self.source, tokens, torch.stack(probs[sid]) if probs[sid] else None)
                 for sid, tokens in drafted.items()}
