@@ -5,6 +5,7 @@ no block left held on either side."""
 
 from __future__ import annotations
 
+import msgspec
 import asyncio
 import os
 import random
@@ -139,7 +140,10 @@ def test_a_disaggregated_completion_is_token_for_token_the_local_one(target, wor
 
     async def main():
         remote = remote_for(target, worker)
-        disagg, local = engine_with(target, remote), engine_with(target, None)
+        # Locally as a worker's prefill is taken in: no heal token riding the prefill pass, no moved K/V.
+        same_path = msgspec.structs.replace(CONFIG, engine=msgspec.structs.replace(
+            CONFIG.engine, heal_in_prefill=False, reuse_moved_kv=False))
+        disagg, local = engine_with(target, remote), engine_with(target, None, same_path)
         disagg.start()
         local.start()
         try:

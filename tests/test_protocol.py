@@ -66,7 +66,9 @@ def test_server_messages_encode_as_specified():
     assert done["type"] == "done" and done["reason"] == "stop"
     assert set(done["timings"]) == {"queue_ms", "ttft_ms", "total_ms", "prompt_tokens", "cached_tokens",
                                     "generated_tokens", "draft_proposed", "draft_accepted", "draft_rounds",
-                                    "prefill", "prefill_reason", "kv_transfer_bytes", "kv_transfer_ms"}
+                                    "prefill", "prefill_reason", "kv_transfer_bytes", "kv_transfer_ms",
+                                    "moved_tokens", "prepare_ms", "wait_ms", "prefill_ms", "draft_ms", "decode_ms",
+                                    "decode_passes", "first_token_passes"}
     err = json.loads(encode(Error(None, "bad_request", "x")))
     assert err == {"type": "error", "id": None, "code": "bad_request", "message": "x"}
 
