@@ -31,6 +31,7 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     template: str = ""  # FIM template; "" detects it from the tokenizer
     order: str = ""  # "psm" / "spm" to override the template's order
     context_tokens: int = 1024  # prompt + completion window
+    int4_dense_rows: int = 32  # int4: passes of this many rows or more use a resident bf16 copy (0: none)
 
 
 class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -198,6 +199,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if s.tls_key and not s.tls_cert:
         found.append(ConfigProblem(("server.tls_key", "server.tls_cert"),
                                    "server.tls_key is set but server.tls_cert is not: TLS needs both"))
+    if m.int4_dense_rows < 0:
+        found.append(ConfigProblem(("model.int4_dense_rows",), f"model.int4_dense_rows = {m.int4_dense_rows}: "
+                                   "must be 0 (no copy) or more"))
     if not found and m.context_tokens - r.max_tokens < MIN_PROMPT_TOKENS:
         found.append(ConfigProblem(
             ("request.max_tokens", "model.context_tokens"),

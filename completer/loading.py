@@ -9,6 +9,7 @@ import msgspec
 import torch
 
 from completer.checkpoint import CheckpointError, load_checkpoint, resolve_precision
+from completer.cpu_quant import keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
 from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
@@ -68,11 +69,16 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
 
 def load_models(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
                 template: str | None = None, order: str | None = None, device: str = "cpu",
-                fuse: bool = True) -> tuple[LoadedModel, LoadedModel | None]:
+                fuse: bool = True, int4_dense_rows: int = 0) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and drafter from their settings ("default", "embedded", a path;
-    a drafter "" is none), as `completer serve` loads them."""
+    a drafter "" is none), as `completer serve` loads them. `int4_dense_rows`:
+    at int4, passes of that many rows or more multiply by a resident bf16
+    copy of the weights (`model.int4_dense_rows`)."""
     target_path = resolve_target(target)
     draft_path = resolve_draft(str(draft), target_path)
     loaded = load(target_path, precision, template, order, device, fuse=fuse)
     drafter = load(draft_path, precision, template, order, device, loaded, fuse) if draft_path else None
+    for model in (loaded, drafter):
+        if model is not None and model.precision == "int4":
+            keep_dense_int4(model.model, int4_dense_rows)
     return loaded, drafter

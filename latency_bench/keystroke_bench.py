@@ -77,8 +77,10 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "eager_draft_prefill": (KV, "spec.defer_draft_prefill=false"),
     "no_interrupt": (KV, "engine.interrupt_superseded=false"),
     "no_moved_kv": (KV, "engine.reuse_moved_kv=false"),
+    "block_16": (KV, "engine.block_size=16"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
+    "no_int4_dense": (KV, "model.int4_dense_rows=0"),
     "path_before_bf16": (KV, "model.precision=bf16", "engine.heal_in_prefill=false", "spec.defer_draft_prefill=false",
-                         "engine.interrupt_superseded=false", "engine.reuse_moved_kv=false"),
+                         "engine.interrupt_superseded=false", "engine.reuse_moved_kv=false", "engine.block_size=16"),
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
     # other core; the engine keeps one. The threshold is below the window so it can.
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",

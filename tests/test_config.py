@@ -142,6 +142,7 @@ def test_the_kv_cache_size_suggested_holds_one_full_window_and_a_tenth_less_does
     assert kv_cache_problem(EngineConfig(kv_cache_mb=enough - 0.1), spec, context, shapes) is not None
     # The engine, built on that budget, takes a full-window request.
     share = {"target": 1 - spec.draft_share, "draft": spec.draft_share}
-    pools = {role: BlockManager(pool_blocks(cfg, enough * share[role], 16), 16) for role, cfg in shapes.items()}
+    bs = EngineConfig().block_size
+    pools = {role: BlockManager(pool_blocks(cfg, enough * share[role], bs), bs) for role, cfg in shapes.items()}
     kv = KVCacheManager(pools, spec.k_max + 1)
     assert kv.too_large(context - 64, 64) is None

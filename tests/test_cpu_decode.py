@@ -96,6 +96,13 @@ def test_int4_linear_reproduces_q4_1_weights_and_refuses_other_widths():
         x = torch.randn(rows, K)
         y = F.linear(x, w)
         torch.testing.assert_close(layer(x), y, atol=tol * y.abs().max().item(), rtol=tol)
+    # a resident unpacked copy for passes of 8 rows and more; fewer stay on the int4 kernel
+    assert layer.keep_dense(8) == N * K * layer.compute_dtype.itemsize
+    x = torch.randn(8, K)
+    torch.testing.assert_close(layer(x), F.linear(x, w), atol=tol * F.linear(x, w).abs().max().item(), rtol=tol)
+    assert torch.equal(layer(x[:7]), torch._weight_int4pack_mm_for_cpu(
+        x[:7].to(layer.compute_dtype), layer.packed, INT4_GROUP, layer.scales_and_zeros).float())
+    assert layer.keep_dense(0) == 0 and layer.dense is None
     with pytest.raises(ValueError, match="multiple of the group"):
         Int4Linear(torch.randn(8, 40), None)
 

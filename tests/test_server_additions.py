@@ -14,7 +14,7 @@ from server_harness import collect, collect_all, complete_msg, connect, running_
 # A deadline no test here races on a loaded 2-core machine.
 SETTINGS = ('model.template="prefix"', "server.max_inflight_per_connection=4", "request.deadline_ms=60000")
 PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
-BLOCK_SIZE = 16  # engine.block_size's default
+BLOCK_SIZE = 4  # engine.block_size's default
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache: bool = True  # reuse cached KV across requests
     kv_cache_mb: float = 256.0  # KV block pool budget (target and drafter together)
-    block_size: int = 16  # tokens per KV block
+    block_size: int = 4  # tokens per KV block: a warm keystroke recomputes its last, partly matched block
     max_running: int = 32  # sequences decoded together
     max_queue: int = 64  # waiting requests beyond this are refused (overloaded)
     prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing

@@ -62,7 +62,8 @@ class App:
         """Load target and drafter (raises CheckpointError naming the problem)."""
         m = self.config.model
         self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
-                                              m.order or None, m.device, m.fuse_projections)
+                                              m.order or None, m.device, m.fuse_projections,
+                                              m.int4_dense_rows)
 
     async def start_workers(self) -> list[str]:
         """Start the local prefill workers (disagg.workers); every worker's address."""
