@@ -175,7 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from completer.server.security import TokenError
 
     config = load_cli_config(args, flag_overrides(args, {
-        "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target"}))
+        "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target",
+        "cluster": "cluster.enabled"}))
     try:
         check_models(config)
         # After the checks: this may create the token file, which a start that
@@ -285,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="weights precision (auto: bf16 where native; fp8 is emulated on CPU; int8/int4: CPU only)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
+    p.add_argument("--cluster", action="store_const", const=True, default=None,
+                   help="sets cluster.enabled: the engine as Ray Serve replicas, this process their front door "
+                        "([cluster] in the config; needs pip install 'completer[cluster]')")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("prefill-worker", help="prefill long prompts for a `completer serve` elsewhere "

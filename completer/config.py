@@ -1,4 +1,5 @@
-"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`, `[compat]`, `[disagg]`.
+"""The TOML config: `[model]`, `[request]`, `[engine]`, `[spec]`, `[server]`, `[compat]`, `[disagg]`,
+`[cluster]`.
 
 Every key has a default here; a config file or `--set section.key=value`
 overrides it. An unknown section or key, a value of the wrong type, or values
@@ -16,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from completer.cluster.config import ClusterConfig, cluster_problems
 from completer.disagg.config import DisaggConfig, disagg_problems
 from completer.engine.config import ConfigProblem, EngineConfig, SpecConfig, engine_problems, spec_problems
 from completer.engine.request import Mode
@@ -78,6 +80,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     server: ServerSection = ServerSection()
     compat: CompatSection = CompatSection()
     disagg: DisaggConfig = DisaggConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 class ConfigError(ValueError):
@@ -95,6 +98,7 @@ MIN_PROMPT_TOKENS = 64
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSection, "request": RequestSection, "engine": EngineConfig, "spec": SpecConfig,
     "server": ServerSection, "compat": CompatSection, "disagg": DisaggConfig,
+    "cluster": ClusterConfig,
 }
 RENAMED = {"engine.max_tokens": "request.max_tokens", "engine.deadline_ms": "request.deadline_ms"}
 
@@ -170,7 +174,8 @@ def problems(config: Config) -> list[ConfigProblem]:
     from completer.prompt import TEMPLATES  # here: the prompt module is not needed to read a config
 
     m, r, s = config.model, config.request, config.server
-    found = engine_problems(config.engine) + spec_problems(config.spec) + disagg_problems(config.disagg)
+    found = engine_problems(config.engine) + spec_problems(config.spec) + disagg_problems(config.disagg) \
+        + cluster_problems(config.cluster)
     if m.template and m.template not in TEMPLATES:
         found.append(ConfigProblem(("model.template",), f"model.template = {m.template!r}: unknown "
                                    f"(known: {', '.join(TEMPLATES)}, or \"\" to detect it)"))
@@ -202,6 +207,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if m.int4_dense_rows < 0:
         found.append(ConfigProblem(("model.int4_dense_rows",), f"model.int4_dense_rows = {m.int4_dense_rows}: "
                                    "must be 0 (no copy) or more"))
+    if config.cluster.enabled and config.disagg.enabled:
+        found.append(ConfigProblem(("cluster.enabled", "disagg.enabled"), "cluster.enabled and disagg.enabled: "
+                                   "a cluster's replicas prefill locally (disaggregation is one engine's)"))
     if not found and m.context_tokens - r.max_tokens < MIN_PROMPT_TOKENS:
         found.append(ConfigProblem(
             ("request.max_tokens", "model.context_tokens"),

@@ -8,7 +8,7 @@ import msgspec
 
 import torch
 
-from completer.checkpoint import CheckpointError, load_checkpoint, resolve_precision
+from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
 from completer.cpu_quant import keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
@@ -21,7 +21,7 @@ from completer.tokenizer import TextTokenizer
 class LoadedModel(msgspec.Struct):
     name: str
     directory: Path
-    model: Transformer
+    model: Transformer | None  # None: a cluster's front door (names, tokenizer and template; no weights)
     tokenizer: TextTokenizer
     template: FimTemplate
     precision: str = "fp32"  # as resolved ("auto" is never stored)
@@ -34,6 +34,11 @@ class LoadedModel(msgspec.Struct):
 
     def prompt_builder(self, budget: int) -> PromptBuilder:
         return PromptBuilder(self.tokenizer, self.template, budget)
+
+
+def model_name(directory: Path) -> str:
+    """The name clients see (`ready.model`)."""
+    return directory.name if directory.parent != PACKAGED_MODELS else f"completer-embedded-{directory.name}"
 
 
 def detect_template(tokenizer: TextTokenizer) -> str:
@@ -63,8 +68,7 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
         raise CheckpointError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary has {model.config.vocab_size}")
     fim = get_template(template or detect_template(tokenizer), order)
-    name = directory.name if directory.parent != PACKAGED_MODELS else f"completer-embedded-{directory.name}"
-    return LoadedModel(name, directory, model, tokenizer, fim, precision, str(device))
+    return LoadedModel(model_name(directory), directory, model, tokenizer, fim, precision, str(device))
 
 
 def load_models(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
@@ -82,3 +86,20 @@ def load_models(target: str | Path = "default", draft: str | Path = "default", p
         if model is not None and model.precision == "int4":
             keep_dense_int4(model.model, int4_dense_rows)
     return loaded, drafter
+
+
+def load_faces(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
+               template: str | None = None, order: str | None = None,
+               device: str = "cpu") -> tuple[LoadedModel, LoadedModel | None]:
+    """What a cluster's front door needs of the models it serves through its
+    replicas: names, the tokenizer and the FIM template (prompts are built
+    there), no weights."""
+    def face(directory: Path) -> LoadedModel:
+        tokenizer = load_tokenizer(directory)
+        fim = get_template(template or detect_template(tokenizer), order)
+        return LoadedModel(model_name(directory), directory, None, tokenizer, fim, resolve_precision(precision, device, directory),
+                           str(device))
+
+    target_path = resolve_target(target)
+    draft_path = resolve_draft(str(draft), target_path)
+    return face(target_path), face(draft_path) if draft_path else None

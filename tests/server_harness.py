@@ -17,6 +17,10 @@ import websockets
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-1234567890"  # servers refuse tokens under 16 characters
+# `--cluster` on this 2-core machine: a Ray cluster of its own, 2 engine replicas of 1 CPU each,
+# dead replicas noticed and load reported every half second.
+CLUSTER = ("cluster.enabled=true", "cluster.replicas=2", "cluster.cpus_per_replica=1",
+           "cluster.health_check_period_s=0.5", "cluster.routing_stats_period_s=0.5")
 
 
 class ServerProcess:
@@ -54,7 +58,7 @@ def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, por
             log.append(line)
             if m := re.search(r"ws://127\.0\.0\.1:(\d+)/v1/ws", line):
                 port = int(m.group(1))
-            if "ready" in line and port:
+            if line.rstrip().endswith("; ready") and port:
                 break
         else:
             raise RuntimeError("server did not become ready:\n" + "".join(log))

@@ -1,6 +1,7 @@
 """Protocol v1 conformance against the real server (default models, ephemeral
 port) through the `websockets` client: every message, default, error code and
-close code of docs/protocol.md."""
+close code of docs/protocol.md; run against one process and against a
+cluster's front door (`--cluster`: engine replicas on Ray Serve)."""
 
 import asyncio
 import json
@@ -8,16 +9,18 @@ import urllib.request
 
 import pytest
 
-from server_harness import TOKEN, collect, collect_all, complete_msg, connect, running_server
+from server_harness import CLUSTER, TOKEN, collect, collect_all, complete_msg, connect, running_server
 
 SETTINGS = ("server.max_document_chars=20000", "server.max_frame_bytes=65536",
             "server.max_inflight_per_connection=3")
 PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server(*SETTINGS) as s:
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def server(request):
+    """The same conversations with one process and with a cluster (engine replicas on Ray Serve)."""
+    cluster = CLUSTER if request.param == "cluster" else ()
+    with running_server(*SETTINGS, *cluster, timeout=300) as s:
         yield s
 
 

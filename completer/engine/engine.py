@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import msgspec
+
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.request import Delta, EngineError, Failed, Finished, Request
@@ -54,6 +56,15 @@ def run_in_passing_thread(fn: Callable[..., T], *args) -> T:
 def as_delivered(events: list) -> list:
     """(request id, event) as streams take them; a request's `Failed` is its error."""
     return [(e.id, EngineError(e.code, e.message) if isinstance(e, Failed) else e) for e in events]
+
+
+class EngineLive(msgspec.Struct):
+    """What an engine holds now (the server's gauges, a replica's routing stats)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    kv_blocks_used: dict[str, int] = {}  # pool ("target", "draft") -> blocks referenced
 
 
 class RequestStream:
@@ -153,6 +164,21 @@ class Engine:
             self._thread.join()
         if self.core.disagg is not None:
             self.core.disagg.remote.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def live(self) -> EngineLive:
+        """Read from the event loop while the engine thread may be changing the
+        lists and pools read here; len() of them is atomic. Block 0 is scratch,
+        never free nor handed out; a free block may still hold cached K/V, but
+        no sequence references it."""
+        core = self.core
+        return EngineLive(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+                          kv_cache_usage=core.kv.usage(),
+                          kv_blocks_used={role: pool.num_blocks - 1 - pool.num_free
+                                          for role, pool in core.kv.pools.items()})
 
     def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True) -> RequestStream:
         """Queue a request. With `supersede` (a session and document), the

@@ -20,21 +20,26 @@ import socket
 import ssl
 import sys
 from importlib import resources
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from completer.checkpoint import CheckpointError
+from completer.cluster.routing import ROUTER_STATS
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.loading import LoadedModel, load_models
+from completer.loading import LoadedModel, load_faces, load_models
 from completer.model_store import ModelFetchError
 from completer.pipeline import CompletionPipeline
 from completer.server import security
 from completer.server.compat.http import CompatServer
 from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
+
+if TYPE_CHECKING:
+    from completer.cluster.client import ClusterEngine
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -46,7 +51,9 @@ class App:
         self.metrics = Metrics()
         self.target: LoadedModel | None = None
         self.draft: LoadedModel | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | ClusterEngine | None = None
+        self.cluster = None  # cluster.deploy.Cluster under `--cluster`
+        self.signal_handlers: list[tuple[int, object]] = []  # what `run` installed (SIGINT, SIGTERM)
         self.pipeline: CompletionPipeline | None = None
         self.local_workers: list = []  # disagg.local_workers.LocalWorker
         self.sessions: set[Session] = set()
@@ -93,9 +100,37 @@ class App:
         for worker in self.local_workers:
             worker.stop()
 
+    async def start_cluster(self, on_loaded=None) -> None:
+        """`--cluster`: the front door's tokenizer and template here, the
+        engines as Ray Serve replicas (started, or joined)."""
+        from completer.cluster.client import ClusterEngine
+        from completer.cluster.deploy import Cluster
+
+        m = self.config.model
+        self.target, self.draft = await asyncio.to_thread(load_faces, m.target, m.draft, m.precision,
+                                                          m.template or None, m.order or None, m.device)
+        if on_loaded is not None:
+            on_loaded()
+        cluster = Cluster(self.config)
+        try:
+            handle = await asyncio.to_thread(cluster.start)
+        except Exception as e:
+            await asyncio.to_thread(cluster.stop)
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"cluster: cannot start the engine replicas ({type(e).__name__}: {first_line})") \
+                from e
+        loop = asyncio.get_running_loop()
+        for sig, handler in self.signal_handlers:  # Ray's core worker installed its own (it exits at once)
+            loop.add_signal_handler(sig, handler)
+        self.cluster = cluster
+        self.pipeline = CompletionPipeline(self.target, self.config)
+        self.engine = ClusterEngine(handle, self.config.cluster, on_stop=cluster.stop)
+
     async def start_engine(self, on_loaded=None) -> None:
         """Load the models (and start the prefill workers), call `on_loaded()`,
         then build and start the engine."""
+        if self.config.cluster.enabled:
+            return await self.start_cluster(on_loaded)
         workers = asyncio.ensure_future(self.start_workers()) if self.config.disagg.enabled else None
         try:
             await asyncio.to_thread(run_in_passing_thread, self.load_models)
@@ -141,15 +176,13 @@ class App:
                     requests_in_flight=sum(len(s.inflight) for s in self.sessions)
                     + (len(self.compat.engine.inflight) if self.compat is not None else 0))
         if self.engine is not None:
-            core = self.engine.core
-            live.running = len(core.scheduler.running)
-            live.waiting = len(core.scheduler.waiting)
-            live.kv_cache_usage = core.kv.usage()
-            # Block 0 is scratch, never free nor handed out; a free block may
-            # still hold cached K/V, but no sequence references it.
-            live.kv_blocks_used = {role: pool.num_blocks - 1 - pool.num_free for role, pool in core.kv.pools.items()}
-            if core.disagg is not None:
-                live.prefill_workers_up = core.disagg.remote.workers_up
+            engine = self.engine.live()
+            live.running, live.waiting = engine.running, engine.waiting
+            live.kv_cache_usage, live.kv_blocks_used = engine.kv_cache_usage, engine.kv_blocks_used
+            if self.cluster is not None:
+                self.metrics.set_cluster(ROUTER_STATS.snapshot())
+            elif self.engine.core.disagg is not None:
+                live.prefill_workers_up = self.engine.core.disagg.remote.workers_up
         self.metrics.set_live(live)
 
     def unauthorized(self, conn: ServerConnection) -> Response:
@@ -306,6 +339,8 @@ def run(config: Config, token: str, token_source: str) -> int:
             print(f"token: {token_source}", flush=True)
         else:
             draft = f", draft {loaded.draft.name}" if loaded.draft else ""
+            if loaded.cluster is not None:
+                print(loaded.cluster.describe(), flush=True)
             print(f"models loaded: target {loaded.target.name} ({loaded.target.directory}){draft}; "
                   f"precision {loaded.target.describe_precision()}; ready", flush=True)
 
@@ -314,6 +349,7 @@ def run(config: Config, token: str, token_source: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+            app.signal_handlers.append((sig, stop.set))
         await app.serve(stop, on_listening)
 
     asyncio.run(main())

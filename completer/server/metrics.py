@@ -20,6 +20,9 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.01
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
+CLUSTER_FIGURES = ("running", "waiting", "kv_cache_usage", "requests", "prompt_tokens", "cached_tokens")
+
+
 class Live(msgspec.Struct):
     """What is true now, read when scraped (App.update_gauges)."""
 
@@ -104,6 +107,17 @@ class Metrics:
         self.loop_tasks = Gauge("completer_event_loop_tasks", "asyncio tasks alive in the server's event loop.",
                                 registry=r)
         self.in_flight = Gauge("completer_requests_in_flight", "Requests in flight across sessions.", registry=r)
+        # `--cluster`: the front door's router and the replicas, as last reported (cluster.routing_stats_period_s).
+        self.cluster_routed = Gauge("completer_cluster_requests_routed", "Requests this front door's router "
+                                    "sent to each replica (cumulative).", ["replica"], registry=r)
+        self.cluster_outcomes = Gauge("completer_cluster_routing_decisions", "Routing decisions (cumulative) by "
+                                      "outcome: hit (the session's replica), prefix (a replica that served the "
+                                      "prompt's head), new, moved (its replica too loaded, or gone).",
+                                      ["outcome"], registry=r)
+        self.cluster_replica = Gauge("completer_cluster_replica", "Each replica's own figures: running, waiting, "
+                                     "kv_cache_usage, requests, prompt_tokens, cached_tokens.",
+                                     ["replica", "figure"], registry=r)
+        self.cluster = {}
         self.live = Live()
         self.rolling = RollingStats()
 
@@ -121,6 +135,18 @@ class Metrics:
         self.loop_tasks.set(live.event_loop_tasks)
         self.in_flight.set(live.requests_in_flight)
         self.workers_up.set(live.prefill_workers_up)
+
+    def set_cluster(self, snapshot: dict) -> None:
+        """cluster.routing.RouterStats.snapshot(): what the router did and the replicas reported."""
+        self.cluster = snapshot
+        for replica, count in snapshot["routed"].items():
+            self.cluster_routed.labels(replica).set(count)
+        for outcome, count in snapshot["outcomes"].items():
+            self.cluster_outcomes.labels(outcome).set(count)
+        self.cluster_replica.clear()  # a replica gone is gone from here too
+        for replica, figures in snapshot["replicas"].items():
+            for figure in CLUSTER_FIGURES:
+                self.cluster_replica.labels(replica, figure).set(figures.get(figure, 0))
 
     def observe_prefill(self, route: str, reason: str, kv_bytes: int, kv_seconds: float) -> None:
         """A finished request's prefill, when disaggregation decided where it ran."""
@@ -202,4 +228,5 @@ class Metrics:
         now = self.clock()
         windows, series = self.rolling.summary(now)
         return {"time": now, "windows": windows, "series": series, "series_step_s": SERIES_STEP_S,
-                "routes": dict(self.route_counts), **msgspec.structs.asdict(self.live)}
+                "routes": dict(self.route_counts), **msgspec.structs.asdict(self.live),
+                **({"cluster": self.cluster} if self.cluster else {})}

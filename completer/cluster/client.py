@@ -1,0 +1,190 @@
+"""The front door's engine: what `Engine` offers a session (submit, cancel,
+live, stop), each request one streaming call through the Serve deployment
+handle to the replica the router picks.
+
+Ids and keys get this front door's name before they leave: several front
+doors share the replicas, and each numbers its connections from 1. A cancel
+(a `cancel` frame, a closed connection, a superseding keystroke) cancels the
+call, and the replica cancels the request in its engine. A superseding
+keystroke also carries its key to the replica, whose engine ends the older
+request before it admits the new one, in the same step, when both landed
+there. A replica lost before it answered is retried on another while the
+deadline allows; one lost mid-stream ends its requests with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+
+import msgspec
+
+from completer.cluster.config import ClusterConfig
+from completer.cluster.routing import ROUTER_STATS, Hop, prefix_hash
+from completer.engine.engine import EngineLive, RequestStream
+from completer.engine.request import Delta, EngineError, Failed, Finished, Request, Timings
+
+log = logging.getLogger(__name__)
+RETRIES = 2  # replicas lost before answering, tried again elsewhere
+
+
+class Call:
+    """One request in flight through the cluster."""
+
+    def __init__(self, request: Request, stream: RequestStream):
+        self.request = request
+        self.stream = stream
+        self.response = None  # the DeploymentResponseGenerator, once sent
+        self.cancelled = False
+        self.text: list[str] = []
+        self.task: asyncio.Task | None = None
+
+
+class ClusterEngine:
+    def __init__(self, handle, config: ClusterConfig, on_stop=None):
+        self.handle = handle.options(stream=True)
+        self.config = config
+        self.door = secrets.token_hex(4)  # this front door's name among those sharing the replicas
+        self.calls: dict[str, Call] = {}
+        self._in_flight_under: dict[str, set[str]] = {}
+        self._key_of: dict[str, str] = {}
+        self._on_stop = on_stop
+
+    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True) -> RequestStream:
+        """As Engine.submit; call from the event loop's thread."""
+        stream = RequestStream(request.id)
+        if supersede is not None:
+            in_flight = self._in_flight_under.setdefault(supersede, set())
+            if ends_others:
+                for old in sorted(in_flight):
+                    self.cancel(old)
+                in_flight.clear()
+            in_flight.add(request.id)
+            self._key_of[request.id] = supersede
+        call = self.calls[request.id] = Call(request, stream)
+        call.task = asyncio.create_task(self._run(call, supersede, ends_others))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        call = self.calls.get(request_id)
+        if call is None or call.cancelled:
+            return
+        call.cancelled = True
+        if call.response is not None:
+            call.response.cancel()
+
+    def cancel_all(self) -> None:
+        for request_id in list(self.calls):
+            self.cancel(request_id)
+
+    def live(self) -> EngineLive:
+        """The replicas' load as they last reported it (every cluster.routing_stats_period_s)."""
+        replicas = ROUTER_STATS.snapshot()["replicas"]
+        usage = [s.get("kv_cache_usage", 0.0) for s in replicas.values()]
+        return EngineLive(running=sum(s.get("running", 0) for s in replicas.values()),
+                          waiting=sum(s.get("waiting", 0) for s in replicas.values()),
+                          kv_cache_usage=sum(usage) / len(usage) if usage else 0.0)
+
+    def stop(self) -> None:
+        self.cancel_all()
+        if self._on_stop is not None:
+            self._on_stop()
+
+    # -- one call ---------------------------------------------------------------
+
+    def _hop(self, call: Call, supersede: str | None, ends_others: bool) -> Hop:
+        r = call.request
+        salt = f"{self.door}/{r.cache_salt}" if r.cache_salt else ""
+        key = f"{self.door}/{supersede}" if supersede is not None else None
+        return Hop(msgspec.structs.replace(r, id=f"{self.door}/{r.id}", cache_salt=salt),
+                   route_key=key or "", prefix_hash=prefix_hash(r.prompt, salt), supersede=key,
+                   ends_others=ends_others, age_s=time.perf_counter() - r.arrival)
+
+    async def _run(self, call: Call, supersede: str | None, ends_others: bool) -> None:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import RequestCancelledError
+
+        deadline_s = call.request.params.deadline_s
+        give_up = call.request.arrival + (deadline_s if deadline_s is not None else math.inf) \
+            + self.config.answer_grace_s
+        tries = 0
+        try:
+            while True:
+                answered = False
+                try:
+                    hop = self._hop(call, supersede, ends_others)
+                    call.response = self.handle.generate.remote(hop)
+                    if call.cancelled:
+                        call.response.cancel()
+                    events = call.response.__aiter__()
+                    while True:
+                        wait = None if answered else max(0.0, give_up - time.perf_counter())
+                        try:
+                            event = await asyncio.wait_for(events.__anext__(), wait)
+                        except StopAsyncIteration:
+                            raise EngineError("internal", "the engine replica ended the stream early") from None
+                        answered = True
+                        if self._deliver(call, event):
+                            return
+                except RayActorError:
+                    if not answered and not call.cancelled and tries < RETRIES and time.perf_counter() < give_up:
+                        tries += 1
+                        log.warning("cluster: request %s lost its replica before an answer; retrying", call.request.id)
+                        continue
+                    raise EngineError("internal", "the engine replica serving this request was lost; "
+                                                  "the next request goes to another") from None
+        except RequestCancelledError:
+            self._finish(call, Finished(call.request.id, "cancelled", "".join(call.text), self._timings(call)))
+        except TimeoutError:
+            if call.response is not None:
+                call.response.cancel()
+            self._fail(call, EngineError("overloaded", "no engine replica answered before the request's "
+                                                       "deadline (are any up?)"))
+        except EngineError as e:
+            self._fail(call, e)
+        except asyncio.CancelledError:
+            if call.response is not None:
+                call.response.cancel()
+            raise
+        except Exception as e:  # the link to Ray: a clear error, the front door goes on
+            log.exception("cluster: request %s failed", call.request.id)
+            self._fail(call, EngineError("internal", f"the cluster could not serve it ({type(e).__name__}: {e})"))
+
+    def _deliver(self, call: Call, event) -> bool:
+        """Pass one replica event on; True once the request has ended."""
+        if isinstance(event, Delta):
+            call.text.append(event.text)
+            call.stream.queue.put_nowait(Delta(call.request.id, event.text))
+            return False
+        if isinstance(event, Finished):
+            self._finish(call, msgspec.structs.replace(event, id=call.request.id))
+            return True
+        if isinstance(event, Failed):
+            self._fail(call, EngineError(event.code, event.message))
+            return True
+        raise EngineError("internal", f"unexpected event from the engine replica: {type(event).__name__}")
+
+    def _timings(self, call: Call) -> Timings:
+        total = (time.perf_counter() - call.request.arrival) * 1000
+        return Timings(total_ms=total, prompt_tokens=len(call.request.prompt))
+
+    def _finish(self, call: Call, done: Finished) -> None:
+        call.stream.queue.put_nowait(done)
+        self._forget(call)
+
+    def _fail(self, call: Call, error: EngineError) -> None:
+        call.stream.queue.put_nowait(error)
+        self._forget(call)
+
+    def _forget(self, call: Call) -> None:
+        request_id = call.request.id
+        if self.calls.get(request_id) is call:
+            del self.calls[request_id]
+        key = self._key_of.pop(request_id, None)
+        if key is not None and (in_flight := self._in_flight_under.get(key)) is not None:
+            in_flight.discard(request_id)
+            if not in_flight:
+                del self._in_flight_under[key]

@@ -1,0 +1,103 @@
+"""Bring up (or attach to) the engine replicas: Ray started or joined, the
+Serve application deployed with the affinity router, and a handle to it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from completer.config import Config
+
+DEPLOYMENT = "engine"
+ROUTER_CLASS = "completer.cluster.router:AffinityRouter"
+
+
+def deployment_options(config: Config) -> dict:
+    c, e = config.cluster, config.engine
+    options = dict(
+        name=DEPLOYMENT,
+        ray_actor_options={"num_cpus": c.cpus_per_replica, "num_gpus": c.gpus_per_replica},
+        # Past what the engine holds (running + queued) it refuses with `overloaded` itself.
+        max_ongoing_requests=e.max_running + e.max_queue,
+        health_check_period_s=c.health_check_period_s,
+        health_check_timeout_s=max(10.0, 3 * c.health_check_period_s),
+        graceful_shutdown_timeout_s=5.0,
+    )
+    if c.max_replicas:
+        options["autoscaling_config"] = {"min_replicas": c.min_replicas, "max_replicas": c.max_replicas,
+                                         "target_ongoing_requests": c.target_ongoing_requests,
+                                         "upscale_delay_s": 5.0, "downscale_delay_s": 60.0}
+    else:
+        options["num_replicas"] = c.replicas
+    if c.router == "affinity":
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"move_margin": c.move_margin},
+            request_routing_stats_period_s=c.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, c.routing_stats_period_s))
+    return options
+
+
+def use_token_if_present() -> None:
+    """Joining a cluster: Ray (2.60) starts local clusters with token auth and
+    keeps the token in ~/.ray/auth_token, but a process joining one uses it
+    only with RAY_AUTH_MODE=token, read when Ray is imported; set that when
+    the file is there and the mode is not set (a head elsewhere: copy its
+    token to that path, or set RAY_AUTH_TOKEN)."""
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+class Cluster:
+    """The Ray connection and the deployment's handle; `stop()` undoes what `start()` began."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.started_ray = False
+        self.handle = None
+        self.address = ""
+
+    def start(self):
+        """Blocking (minutes when replicas load models): call it off the event loop."""
+        if self.config.cluster.address:
+            use_token_if_present()  # before Ray reads its config
+        import ray
+        from ray import serve
+
+        from completer.cluster.replica import EngineReplica
+
+        c = self.config.cluster
+        if not ray.is_initialized():
+            kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            if c.address:
+                ray.init(address=c.address, **kwargs)
+            else:  # one machine: a cluster of its own, with a small object store (frames are small)
+                ray.init(object_store_memory=256 * 2**20, **kwargs)
+                self.started_ray = True
+        if c.deploy:
+            serve.start(proxy_location="Disabled")
+            app = serve.deployment(EngineReplica, **deployment_options(self.config)).bind(
+                msgspec.json.encode(self.config))
+            serve.run(app, name=c.app, route_prefix=None)
+        self.handle = serve.get_deployment_handle(DEPLOYMENT, app_name=c.app)
+        self.address = ray.get_runtime_context().gcs_address
+        return self.handle
+
+    def describe(self) -> str:
+        c = self.config.cluster
+        count = f"{c.min_replicas}-{c.max_replicas} (autoscaled)" if c.max_replicas else str(c.replicas)
+        return (f"engine: {count} replicas of Serve app {c.app!r}, router {c.router}; "
+                f"Ray cluster at {self.address} (front doors join with --set cluster.address=...)")
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if self.started_ray:
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
