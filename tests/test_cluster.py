@@ -253,3 +253,49 @@ def test_cluster_settings_are_checked_at_start():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith("error:") and "cluster.replicas" in out.stderr
+
+
+async def test_scale_up_and_down_under_traffic_loses_no_request(monkeypatch):
+    # Serve's autoscaler on a short clock: load reported every half second.
+    monkeypatch.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+    monkeypatch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+    settings = (*CLUSTER, "cluster.min_replicas=1", "cluster.max_replicas=2", "cluster.target_ongoing_requests=1",
+                "cluster.upscale_delay_s=1", "cluster.downscale_delay_s=3")
+    answers: list[dict] = []
+
+    async def typist(server, uri: str, prefix: str, until: asyncio.Event, gap_s: float, **fields) -> None:
+        async with connect(server) as ws:
+            i = 0
+            while not until.is_set():
+                rid = f"t{i}"
+                await ws.send(complete_msg(rid, prefix + "x" * (i % 7), uri=uri, **fields))
+                _, end = await asyncio.wait_for(collect(ws, rid), 30)
+                answers.append(end)
+                i += 1
+                await asyncio.sleep(gap_s)
+
+    async def replicas_become(server, count: int, timeout_s: float) -> set[str]:
+        for _ in range(int(timeout_s / 0.5)):
+            if len(now := set(replica_figures(server))) == count:
+                return now
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"never {count} replicas: {now}")
+
+    with running_server(*settings, timeout=300) as server:
+        assert len(await replicas_become(server, 1, 30)) == 1
+        busy, quiet = asyncio.Event(), asyncio.Event()
+        heavy = [asyncio.create_task(typist(server, f"file:///up{i}.py", p, busy, 0.0, mode="free", max_tokens=48))
+                 for i, p in enumerate(list(DOCS.values()) * 2)]
+        light = asyncio.create_task(typist(server, "file:///light.py", DOCS["file:///proj/stats.py"], quiet, 0.3,
+                                           max_tokens=4))
+        await replicas_become(server, 2, 120)
+        up = len(answers)
+        busy.set()
+        await asyncio.gather(*heavy)
+        await replicas_become(server, 1, 120)
+        quiet.set()
+        await light
+    print(f"autoscaled 1 -> 2 -> 1 replicas under traffic: {len(answers)} requests answered "
+          f"({up} before the second replica was up)")
+    assert answers and all(a["type"] == "done" for a in answers), [a for a in answers if a["type"] != "done"]
+    assert len(answers) > up

@@ -24,7 +24,7 @@ import msgspec
 
 from completer.cluster.config import ClusterConfig
 from completer.cluster.routing import ROUTER_STATS, Hop, prefix_hash
-from completer.engine.engine import EngineLive, RequestStream
+from completer.engine.engine import EngineLive, RequestStream, Superseding
 from completer.engine.request import Delta, EngineError, Failed, Finished, Request, Timings
 
 log = logging.getLogger(__name__)
@@ -49,23 +49,20 @@ class ClusterEngine:
         self.config = config
         self.door = secrets.token_hex(4)  # this front door's name among those sharing the replicas
         self.calls: dict[str, Call] = {}
-        self._in_flight_under: dict[str, set[str]] = {}
-        self._key_of: dict[str, str] = {}
+        self._superseding = Superseding()
         self._on_stop = on_stop
 
-    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True) -> RequestStream:
-        """As Engine.submit; call from the event loop's thread."""
+    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True,
+               affinity: str = "") -> RequestStream:
+        """As Engine.submit; call from the event loop's thread. The route key is
+        `supersede` (session and document), else `affinity` (a client of the
+        compatible routes)."""
         stream = RequestStream(request.id)
         if supersede is not None:
-            in_flight = self._in_flight_under.setdefault(supersede, set())
-            if ends_others:
-                for old in sorted(in_flight):
-                    self.cancel(old)
-                in_flight.clear()
-            in_flight.add(request.id)
-            self._key_of[request.id] = supersede
+            for old in self._superseding.add(supersede, request.id, ends_others):
+                self.cancel(old)
         call = self.calls[request.id] = Call(request, stream)
-        call.task = asyncio.create_task(self._run(call, supersede, ends_others))
+        call.task = asyncio.create_task(self._run(call, supersede, ends_others, affinity))
         return stream
 
     def cancel(self, request_id: str) -> None:
@@ -95,15 +92,16 @@ class ClusterEngine:
 
     # -- one call ---------------------------------------------------------------
 
-    def _hop(self, call: Call, supersede: str | None, ends_others: bool) -> Hop:
+    def _hop(self, call: Call, supersede: str | None, ends_others: bool, affinity: str) -> Hop:
         r = call.request
         salt = f"{self.door}/{r.cache_salt}" if r.cache_salt else ""
         key = f"{self.door}/{supersede}" if supersede is not None else None
+        route = key or (f"{self.door}/{affinity}" if affinity else "")
         return Hop(msgspec.structs.replace(r, id=f"{self.door}/{r.id}", cache_salt=salt),
-                   route_key=key or "", prefix_hash=prefix_hash(r.prompt, salt), supersede=key,
+                   route_key=route, prefix_hash=prefix_hash(r.prompt, salt), supersede=key,
                    ends_others=ends_others, age_s=time.perf_counter() - r.arrival)
 
-    async def _run(self, call: Call, supersede: str | None, ends_others: bool) -> None:
+    async def _run(self, call: Call, supersede: str | None, ends_others: bool, affinity: str) -> None:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import RequestCancelledError
 
@@ -115,7 +113,7 @@ class ClusterEngine:
             while True:
                 answered = False
                 try:
-                    hop = self._hop(call, supersede, ends_others)
+                    hop = self._hop(call, supersede, ends_others, affinity)
                     call.response = self.handle.generate.remote(hop)
                     if call.cancelled:
                         call.response.cancel()
@@ -183,8 +181,4 @@ class ClusterEngine:
         request_id = call.request.id
         if self.calls.get(request_id) is call:
             del self.calls[request_id]
-        key = self._key_of.pop(request_id, None)
-        if key is not None and (in_flight := self._in_flight_under.get(key)) is not None:
-            in_flight.discard(request_id)
-            if not in_flight:
-                del self._in_flight_under[key]
+        self._superseding.ended(request_id)

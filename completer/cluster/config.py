@@ -21,6 +21,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_replicas: int = 1  # autoscaling bounds, used when max_replicas > 0
     max_replicas: int = 0
     target_ongoing_requests: float = 8.0  # autoscaling: requests in flight per replica it aims for
+    upscale_delay_s: float = 5.0  # autoscaling: above target this long before a replica is added
+    downscale_delay_s: float = 60.0  # below target this long before one is removed (its cache goes with it)
     cpus_per_replica: float = 1.0  # Ray resources each replica holds; its torch threads = max(1, int(cpus))
     gpus_per_replica: float = 0.0
     router: Literal["affinity", "ray_default"] = "affinity"  # ray_default: Serve's power-of-two-choices
@@ -48,6 +50,10 @@ def cluster_problems(c: ClusterConfig) -> list[ConfigProblem]:
     if c.move_margin < 0:
         found.append(ConfigProblem(("cluster.move_margin",), f"cluster.move_margin = {c.move_margin}: "
                                    "must be at least 0"))
+    for key in ("upscale_delay_s", "downscale_delay_s"):
+        value = getattr(c, key)
+        if not (value >= 0 and math.isfinite(value)):
+            found.append(ConfigProblem((f"cluster.{key}",), f"cluster.{key} = {value}: must be 0 or more"))
     for key in ("target_ongoing_requests", "routing_stats_period_s", "health_check_period_s", "answer_grace_s"):
         value = getattr(c, key)
         if not (value > 0 and math.isfinite(value)):

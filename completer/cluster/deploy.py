@@ -28,7 +28,10 @@ def deployment_options(config: Config) -> dict:
     if c.max_replicas:
         options["autoscaling_config"] = {"min_replicas": c.min_replicas, "max_replicas": c.max_replicas,
                                          "target_ongoing_requests": c.target_ongoing_requests,
-                                         "upscale_delay_s": 5.0, "downscale_delay_s": 60.0}
+                                         "upscale_delay_s": c.upscale_delay_s,
+                                         "downscale_delay_s": c.downscale_delay_s,
+                                         # averaged over a window as short as the delays it serves
+                                         "look_back_period_s": max(2.0, min(30.0, 2 * c.upscale_delay_s))}
     else:
         options["num_replicas"] = c.replicas
     if c.router == "affinity":

@@ -96,6 +96,32 @@ class RequestStream:
         return self.result
 
 
+class Superseding:
+    """Requests in flight under each supersede key (a session and document):
+    a newer keystroke's request ends the ones before it."""
+
+    def __init__(self) -> None:
+        self._under: dict[str, set[str]] = {}
+        self._key_of: dict[str, str] = {}  # request id -> its key
+
+    def add(self, key: str, request_id: str, ends_others: bool) -> list[str]:
+        """Record a request under `key`; the ones it ends (all before it, unless `ends_others` is False)."""
+        in_flight = self._under.setdefault(key, set())
+        ended = sorted(in_flight) if ends_others else []
+        if ends_others:
+            in_flight.clear()
+        in_flight.add(request_id)
+        self._key_of[request_id] = key
+        return ended
+
+    def ended(self, request_id: str) -> None:
+        key = self._key_of.pop(request_id, None)
+        if key is not None and (in_flight := self._under.get(key)) is not None:
+            in_flight.discard(request_id)
+            if not in_flight:
+                del self._under[key]
+
+
 class Engine:
     def __init__(self, core: EngineCore):
         self.core = core
@@ -104,8 +130,7 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
-        self._in_flight_under: dict[str, set[str]] = {}  # supersede key -> its requests in flight
-        self._key_of: dict[str, str] = {}  # request id -> supersede key
+        self._superseding = Superseding()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -180,24 +205,23 @@ class Engine:
                           kv_blocks_used={role: pool.num_blocks - 1 - pool.num_free
                                           for role, pool in core.kv.pools.items()})
 
-    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True) -> RequestStream:
+    def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True,
+               affinity: str = "") -> RequestStream:
         """Queue a request. With `supersede` (a session and document), the
         requests submitted under the same key before it, still in flight, are
         cancelled: a newer keystroke in the same document. With `ends_others`
         False it joins them instead (a speculative request beside the one
         shown), and the next request that ends others ends it too. The engine
-        is the one owner of supersede and cancel; call from the event loop's thread."""
+        is the one owner of supersede and cancel; call from the event loop's
+        thread. `affinity`: who sent it, for a request without `supersede`
+        (a cluster keeps a sender's requests on one replica; here, unused)."""
         stream = RequestStream(request.id)
         self._streams[request.id] = stream
         with self._cond:
             if supersede is not None:
-                in_flight = self._in_flight_under.setdefault(supersede, set())
-                if ends_others:
-                    self._inbox += [("cancel", old) for old in sorted(in_flight)]
-                    self._cancels += len(in_flight)
-                    in_flight.clear()
-                in_flight.add(request.id)
-                self._key_of[request.id] = supersede
+                ended = self._superseding.add(supersede, request.id, ends_others)
+                self._inbox += [("cancel", old) for old in ended]
+                self._cancels += len(ended)
             self._inbox.append(("add", (request, time.perf_counter())))
             self._cond.notify()
         return stream
@@ -284,8 +308,4 @@ class Engine:
             stream.queue.put_nowait(event)
             if isinstance(event, (Finished, EngineError)):
                 del self._streams[request_id]
-                key = self._key_of.pop(request_id, None)
-                if key is not None and (in_flight := self._in_flight_under.get(key)) is not None:
-                    in_flight.discard(request_id)
-                    if not in_flight:
-                        del self._in_flight_under[key]
+                self._superseding.ended(request_id)

@@ -117,6 +117,9 @@ class Metrics:
         self.cluster_replica = Gauge("completer_cluster_replica", "Each replica's own figures: running, waiting, "
                                      "kv_cache_usage, requests, prompt_tokens, cached_tokens.",
                                      ["replica", "figure"], registry=r)
+        self.cluster_router = Gauge("completer_cluster_router", "This front door's router: decisions "
+                                    "(cumulative), decision_seconds (their time, summed), keys (route keys "
+                                    "it holds).", ["figure"], registry=r)
         self.cluster = {}
         self.live = Live()
         self.rolling = RollingStats()
@@ -143,6 +146,9 @@ class Metrics:
             self.cluster_routed.labels(replica).set(count)
         for outcome, count in snapshot["outcomes"].items():
             self.cluster_outcomes.labels(outcome).set(count)
+        self.cluster_router.labels("decisions").set(snapshot["decisions"])
+        self.cluster_router.labels("decision_seconds").set(snapshot["decision_s"])
+        self.cluster_router.labels("keys").set(snapshot["keys"])
         self.cluster_replica.clear()  # a replica gone is gone from here too
         for replica, figures in snapshot["replicas"].items():
             for figure in CLUSTER_FIGURES:

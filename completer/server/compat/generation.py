@@ -153,13 +153,14 @@ class CompatEngine:
         return request, state.prefix_start > 0
 
     async def run(self, route: str, request: Request, budget: Budget, received: float, truncated: bool,
-                  on_piece: Callable[[str], Awaitable[None]] | None = None) -> Outcome:
+                  on_piece: Callable[[str], Awaitable[None]] | None = None, client: str = "") -> Outcome:
         """Submit and follow one request to its end; `on_piece` takes the text
         as it comes. Raises HttpError for what the engine refused. If the
         caller is cancelled (its client disconnected) or `on_piece` fails (a
-        write to a closed socket), the engine request is cancelled at once."""
+        write to a closed socket), the engine request is cancelled at once.
+        `client`: who sent it (a cluster keeps its requests on one replica)."""
         app = self.app
-        stream = app.engine.submit(request)
+        stream = app.engine.submit(request, affinity=client)
         self.inflight.add(request.id)
         text, cut, started = "", False, None
         try:

@@ -70,7 +70,7 @@ async def answer(request: web.Request, engine: CompatEngine, route: str, body: L
     budget = Budget(max(0, body.n_indent), body.t_max_predict_ms)
     slot = max(0, body.id_slot)
     if not body.stream:
-        outcome = await engine.run(route, engine_request, budget, received, truncated)
+        outcome = await engine.run(route, engine_request, budget, received, truncated, client=client)
         results = [fields(result(engine, body, options, outcome, i, text), body.response_fields)
                    for i, text in enumerate((outcome.text, *outcome.candidates))]
         return json_response(results if options.n > 1 else results[0])
@@ -80,7 +80,7 @@ async def answer(request: web.Request, engine: CompatEngine, route: str, body: L
         await events.send(LlamaPartial(0, text, slot))
 
     try:
-        outcome = await engine.run(route, engine_request, budget, received, truncated, send_piece)
+        outcome = await engine.run(route, engine_request, budget, received, truncated, send_piece, client)
     except HttpError as e:
         if not events.started:
             raise

@@ -61,11 +61,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     context, document = document_of(body)
     options = options_of(body)
-    engine_request, truncated = engine.prepare(f"{request.remote}/openai", document, context, options, received)
+    client = f"{request.remote}/openai"
+    engine_request, truncated = engine.prepare(client, document, context, options, received)
     head = Completion(id=f"cmpl-{engine_request.id}", created=int(time.time()), model=body.model or engine.model_name,
                       choices=[])
     if not body.stream:
-        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated)
+        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated, client=client)
         choices = [Choice(outcome.text, 0, finish_reason(outcome.reason))]
         choices += [Choice(text, i, "stop") for i, text in enumerate(outcome.candidates, 1)]
         return json_response(last(head, outcome, choices))
@@ -75,7 +76,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await events.send(Completion(head.id, head.created, head.model, [Choice(text, 0, None)]))
 
     try:
-        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated, send_piece)
+        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated, send_piece, client)
     except HttpError as e:
         if not events.started:
             raise
