@@ -98,7 +98,7 @@ def run_row(name: str, args, files) -> dict:
 def routing_cost(replicas: int = 100, editors: int = 10_000, decisions: int = 50_000, seed: int = 0) -> dict:
     """The decision `AffinityRouter.choose_replicas` makes per request, alone:
     `editors` route keys over `replicas`, each replica reporting 512 prompt
-    heads; loads drawn at random; the ranks sorted as the router sorts them."""
+    heads; loads drawn at random; the ranks built as the router builds them."""
     rng = random.Random(seed)
     names = [f"r{i:03d}" for i in range(replicas)]
     tracemalloc.start()
@@ -114,7 +114,7 @@ def routing_cost(replicas: int = 100, editors: int = 10_000, decisions: int = 50
     for i, key in enumerate(keys):
         loads = load_draws[i % 64]
         first = table.choose(key, 0, loads, holders).replica
-        _ranks = [first] + sorted((u for u in loads if u != first), key=loads.get)
+        _ranks = [[first], [u for u in loads if u != first]]
     per_decision_us = (time.perf_counter() - started) / decisions * 1e6
     return {"replicas": replicas, "editors": editors, "decisions": decisions,
             "per_decision_us": round(per_decision_us, 1), "state_mb": round(state_bytes / 2**20, 1),

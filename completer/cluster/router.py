@@ -2,9 +2,9 @@
 
 Serve builds one per deployment handle, in the process that holds it (the
 front door), and runs it on its routing thread: nothing here blocks. Each
-call returns one replica per rank, the chosen one first: Serve takes the
-first rank with room (a replica at its `max_ongoing_requests` rejects) and
-picks within a rank by queue length, which a one-replica rank leaves to us.
+call returns two ranks: the chosen replica alone, then all the others.
+Serve takes the first rank with room (a replica at its
+`max_ongoing_requests` rejects) and picks within a rank by queue length.
 FIFOMixin is not used: it would hand the replica chosen for one session to
 another session's request. Serve pickles this module by value: the counters
 are reached through the `routing` module (pickled by name), so the front
@@ -50,7 +50,8 @@ class AffinityRouter(RequestRouter):
             first = min(loads, key=loads.get)
         if pending_request is not None:  # when every rank is full, wait before asking again
             pending_request.routing_context.should_backoff = True
-        ranks = [[by_id[first]]] + [[by_id[u]] for u in sorted(loads, key=loads.get) if u != first]
+        others = [r for u, r in by_id.items() if u != first]  # Serve takes the least loaded among them
+        ranks = [[by_id[first]], others] if others else [[by_id[first]]]
         with routing.ROUTER_STATS.lock:
             routing.ROUTER_STATS.decisions += 1
             routing.ROUTER_STATS.decision_s += time.perf_counter() - started
