@@ -87,7 +87,7 @@ def run_row(name: str, args, files) -> dict:
             # a cluster, the hop to the replica and back.
             outside = sorted(s.ttft_s * 1000 - s.timings["ttft_ms"] for s in samples
                              if s.ttft_s is not None and s.timings and s.timings.get("ttft_ms"))
-            summary["outside_engine_ms_p50"] = round(outside[len(outside) // 2], 1) if outside else None
+            summary["outside_engine_ms_p50"] = round(outside[len(outside) // 2], 1) if len(outside) >= 20 else None
             summary["outside_engine_n"] = len(outside)
             summary["cluster"] = cluster_figures(server.http)
             runs[str(n)] = summary
