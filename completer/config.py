@@ -34,6 +34,9 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     order: str = ""  # "psm" / "spm" to override the template's order
     context_tokens: int = 1024  # prompt + completion window
     int4_dense_rows: int = 32  # int4: passes of this many rows or more use a resident bf16 copy (0: none)
+    # The context block: the windows of the files a client sent that best match the code before the
+    # cursor (completer/retrieval.py), kept while typing; false: the files whole, in the client's order.
+    retrieval: bool = True
 
 
 class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 
 from completer.prompt import Prompt, PromptBuilder, Snippet, Window
+from completer.retrieval import Retriever
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -33,8 +34,11 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 class DocumentPrompt:
-    def __init__(self, builder: PromptBuilder):
+    def __init__(self, builder: PromptBuilder, retrieval: bool = False):
         self.builder = builder
+        # With retrieval, the context is the best-matching windows of the files sent (kept
+        # across keystrokes); without, the files in the client's order, whole, while they fit.
+        self.retriever = Retriever(builder.snippet_tokens, builder.context_budget) if retrieval else None
         self.context_key: tuple | None = None
         self.context: list[int] = []
         self.suffix_head: str | None = None  # the suffix text fit_suffix looked at
@@ -55,6 +59,8 @@ class DocumentPrompt:
                snippets: list[Snippet] | None = None) -> Prompt:
         b = self.builder
         self.retokenized_chars = 0
+        if self.retriever is not None and snippets:
+            snippets = self.retriever.select(prefix, snippets)
         key = (path, tuple((s.uri, s.text) for s in snippets or ()))
         if key != self.context_key:
             self.context_key = key

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import math
 import random
 from pathlib import Path
@@ -30,7 +31,8 @@ from completer.engine.engine import run_in_passing_thread
 from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models
 from completer.pipeline import LocalCompleter, RequestOptions
-from completer.protocol import Document
+from completer.imports import imported_files
+from completer.protocol import ContextItem, Document
 from completer.training.corpus import SourceFile, pip_sources, read_python_files
 
 
@@ -52,11 +54,34 @@ class EvalReport(msgspec.Struct):
     draft_params: int | None = None
 
 
-def heldout_files() -> tuple[str, list[SourceFile]]:
-    """Held-out code: the installed pip's sources (training reads only the
-    standard library). Named by pip's version, which the figures depend on."""
-    root, version = pip_sources()
-    return f"pip {version} sources", read_python_files(root, exclude_dirs=("__pycache__",))
+def heldout_files(package: str = "pip", own_code_only: bool = False) -> tuple[str, list[SourceFile]]:
+    """Held-out code: an installed package's sources (training reads only the
+    standard library); pip's by default. Named by the package's version,
+    which the figures depend on. `own_code_only`: without the packages it
+    vendors (another project's code, which its files do not import as theirs)."""
+    if package == "pip":
+        root, version = pip_sources()
+    else:
+        try:
+            dist = importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            raise SystemExit(f"error: --package {package}: not installed") from None
+        root, version = Path(dist.locate_file(package)), dist.version
+    excluded = ("__pycache__", "_vendor") if own_code_only else ("__pycache__",)
+    return f"{package} {version} sources", read_python_files(root, exclude_dirs=excluded)
+
+
+def repo_context(f: SourceFile, by_path: dict[str, SourceFile], package: str, seed: int,
+                 neighbours: int = 2) -> list[ContextItem]:
+    """What an editor would send beside `f`: the package files it imports,
+    then `neighbours` other files of its directory (recently opened), as
+    context items (at most the protocol's 64)."""
+    imported = imported_files(f.text, f.path, set(by_path), ("", f"{package}/"))
+    directory = str(Path(f.path).parent)
+    siblings = sorted(p for p in by_path if str(Path(p).parent) == directory and p != f.path and p not in imported)
+    random.Random(f"{seed}/{f.path}").shuffle(siblings)
+    chosen = (imported + siblings[:neighbours])[:64]
+    return [ContextItem(Path("/", p).as_uri(), by_path[p].text) for p in chosen]
 
 
 
@@ -101,23 +126,27 @@ def line_starts(files: list[SourceFile], n: int, seed: int,
 
 
 async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_tokens: int,
-                 options: RequestOptions, spec: SpecConfig) -> list[Finished]:
-    """Each pick's completion as the server makes it (the pipeline, then the engine), one at a time."""
-    config = Config(model=ModelSection(context_tokens=context_tokens), spec=spec,
+                 options: RequestOptions, spec: SpecConfig, contexts: list[list[ContextItem]] | None = None,
+                 retrieval: bool = True) -> list[Finished]:
+    """Each pick's completion as the server makes it (the pipeline, then the
+    engine), one at a time; `contexts`: each pick's context items."""
+    config = Config(model=ModelSection(context_tokens=context_tokens, retrieval=retrieval), spec=spec,
                     request=RequestSection(deadline_ms=600_000))
     async with LocalCompleter(lm, draft, config) as completer:
         done = []
-        for f, cursor, end in picks:
+        for i, (f, cursor, end) in enumerate(picks):
             document = Document(Path("/", f.path).as_uri(), f.text[:cursor], f.text[end:])
-            done.append(await completer.stream(document, options=options).finished())
+            context = contexts[i] if contexts is not None else ()
+            done.append(await completer.stream(document, context, options=options).finished())
         return done
 
 
-def exact_match(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None) -> float:
+def exact_match(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
+                contexts: list[list[ContextItem]] | None = None, retrieval: bool = True) -> float:
     """Share of picks whose served completion (line mode, the default
     speculation) is the rest of the line."""
     done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
-                              SpecConfig(draft_model=draft is not None)))
+                              SpecConfig(draft_model=draft is not None), contexts, retrieval))
     hits = sum(d.text.rstrip() == f.text[cursor:end].rstrip() for d, (f, cursor, end) in zip(done, picks))
     return hits / len(picks)
 
@@ -146,12 +175,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument("--context", choices=["none", "repo"], default="none",
+                   help="repo: first-line exact match at line starts without and with the context an editor "
+                        "would send (the files imported, two of the directory's), whole and retrieved")
+    p.add_argument("--package", action="append",
+                   help="held-out installed package (repeatable; default pip)")
+
+
+class ContextRow(msgspec.Struct):
+    corpus: str
+    sites: int
+    with_context: int  # sites with at least one context file
+    exact_match_none: float
+    exact_match_whole: float  # the files whole, in order, while they fit (model.retrieval = false)
+    exact_match_retrieved: float  # retrieved windows (model.retrieval = true)
+
+
+def context_rows(args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None) -> list[ContextRow]:
+    rows = []
+    for package in args.package or ["pip"]:
+        corpus, files = heldout_files(package, own_code_only=True)
+        by_path = {f.path: f for f in files}
+        picks = line_starts(files, args.lines, args.seed)
+        contexts = [repo_context(f, by_path, package, args.seed) for f, _, _ in picks]
+        n = args.context_tokens
+        row = ContextRow(corpus, len(picks), sum(bool(c) for c in contexts),
+                         exact_match(target, picks, n, draft),
+                         exact_match(target, picks, n, draft, contexts, retrieval=False),
+                         exact_match(target, picks, n, draft, contexts, retrieval=True))
+        print(f"{row.corpus}: first-line exact match at {row.sites} line starts ({row.with_context} with context "
+              f"files): no context {row.exact_match_none:.1%}; files whole {row.exact_match_whole:.1%}; "
+              f"retrieved windows {row.exact_match_retrieved:.1%}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    root, files = heldout_files()
     target, draft = run_in_passing_thread(load_models, args.target, args.draft, args.precision, args.template)
+    if args.context == "repo":
+        rows = context_rows(args, target, draft)
+        if args.json:
+            args.json.write_bytes(msgspec.json.format(msgspec.json.encode(rows)) + b"\n")
+        return 0
+    root, files = heldout_files((args.package or ["pip"])[0])
     picks = line_starts(files, args.lines, args.seed)
     mid = line_starts(files, args.lines, args.seed + 1, mid_line=True)
     report = EvalReport(

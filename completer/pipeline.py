@@ -62,10 +62,11 @@ class CompletionPipeline:
         self.defaults = config.request
         self.window = config.model.context_tokens  # prompt and completion
         self.budget = self.window - config.request.max_tokens  # prompt tokens
+        self.retrieval = config.model.retrieval
 
     def document(self) -> DocumentPrompt:
         """Prompt state for one document: keystrokes re-tokenize only what changed."""
-        return DocumentPrompt(self.target.prompt_builder(self.budget))
+        return DocumentPrompt(self.target.prompt_builder(self.budget), self.retrieval)
 
     def request(self, request_id: str, document: Document, context: Iterable[ContextItem] = (),
                 options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,

@@ -160,13 +160,17 @@ class PromptBuilder:
         # The path's tail, where its file name is, within the header budget.
         return [self._special[self.template.file_sep]] + self.tok.encode(path[-8 * self.header_budget:] + "\n")[-self.header_budget:]
 
+    def snippet_tokens(self, snip: Snippet) -> list[int]:
+        """One snippet as the prompt holds it: its file header and text (a path comment without one)."""
+        if self.template.file_sep is None:
+            return self.tok.encode(f"# {snip.uri}\n{snip.text}\n")
+        return self.header(snip.uri) + self.tok.encode(snip.text)
+
     def context_tokens(self, snippets: list[Snippet]) -> list[int]:
-        """Snippets in the client's order (most relevant first), whole, while they fit."""
+        """Snippets in the given order, whole, while they fit."""
         out: list[int] = []
         for snip in snippets:
-            ids = self.header(snip.uri) + self.tok.encode(snip.text)
-            if self.template.file_sep is None:
-                ids = self.tok.encode(f"# {snip.uri}\n{snip.text}\n")
+            ids = self.snippet_tokens(snip)
             if len(out) + len(ids) > self.context_budget:
                 break
             out += ids

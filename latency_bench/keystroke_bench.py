@@ -79,6 +79,10 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "no_moved_kv": (KV, "engine.reuse_moved_kv=false"),
     "block_16": (KV, "engine.block_size=16"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
     "no_int4_dense": (KV, "model.int4_dense_rows=0"),
+    # Context (#27): each keystroke sends the editor's 3 most recent other files, as the clients send
+    # open buffers; retrieved windows (the default) or the files whole in order.
+    "context": (KV,),
+    "context_whole": (KV, "model.retrieval=false"),
     "path_before_bf16": (KV, "model.precision=bf16", "engine.heal_in_prefill=false", "spec.defer_draft_prefill=false",
                          "engine.interrupt_superseded=false", "engine.reuse_moved_kv=false", "engine.block_size=16"),
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
@@ -86,6 +90,7 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
                "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
 }
+CONTEXT_FILES = {"context": 3, "context_whole": 3}  # rows whose editors send context
 LLAMA_ROWS = ("llama_matched", "llama_q4_1", "llama_q4_1_ngram")
 KEYS = ("completer_spec_decode_num_draft_tokens", "completer_spec_decode_num_accepted_tokens")
 
@@ -142,7 +147,8 @@ def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args
         tail = keep_reading_log(server)
         for n in editors:
             before = scrape(server.http)
-            opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
+            opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}",
+                                 context_files=CONTEXT_FILES.get(name, 0))
             shooting = None
             if shot is not None and n == max(editors):  # the dashboard while the most editors type
                 shooting = threading.Timer(args.seconds * 0.85, screenshot,

@@ -67,6 +67,9 @@ class ReplayOptions(msgspec.Struct, frozen=True):
     run: str = "replay"  # names the documents: runs on one server that must not share a cache differ
     max_tokens: int = 64
     deadline_ms: float = 2000.0
+    # Context sent with each keystroke, as the clients send open buffers: the editor's
+    # most recently used other documents, whole, as they are now (0: none).
+    context_files: int = 0
 
 
 def traces(files: list[tuple[str, str]], opts: ReplayOptions) -> list[Trace]:
@@ -133,6 +136,7 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
 
         reader = asyncio.create_task(read())
         state, last = EditorState(trace), None
+        recent: list[int] = []  # documents by last use, most recent first
         for n, key, at, nxt in keys_in_time(trace, opts.seconds):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             prefix, suffix = state.press(key)
@@ -142,11 +146,17 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
             s = Sample(trace.editor, n, time.perf_counter() - start, nxt, key.expect)
             live[rid], last = s, (rid, key.doc)
             samples.append(s)
+            if key.doc in recent:
+                recent.remove(key.doc)
+            recent.insert(0, key.doc)
+            context = [{"uri": trace.documents[d].uri, "text": state.texts[d]}
+                       for d in recent[1: 1 + opts.context_files]]
             await ws.send(json.dumps({
                 "type": "complete", "id": rid, "mode": "line", "max_tokens": opts.max_tokens,
                 "deadline_ms": opts.deadline_ms,
                 "document": {"uri": trace.documents[key.doc].uri, "language": "python",
-                             "prefix": prefix, "suffix": suffix}}))
+                             "prefix": prefix, "suffix": suffix},
+                **({"context": context} if context else {})}))
             progress()
         deadline = time.perf_counter() + opts.deadline_ms / 1000 + DRAIN_S
         while live and time.perf_counter() < deadline and not reader.done():

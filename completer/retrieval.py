@@ -1,0 +1,122 @@
+"""Which parts of the other files a client sent go into the prompt.
+
+RepoCoder's sparse retriever, kept warm: the files are cut into windows of
+`WINDOW_LINES` lines every `STRIDE_LINES`; the query is the last
+`WINDOW_LINES` lines before the cursor; a window's score is the Jaccard
+similarity of its identifiers and the query's (RepoCoder found it as good as
+BM25 for code at this size, and it needs no index: a request holds at most
+the protocol's 64 context items). The best windows that fit the context
+budget, near-duplicates dropped, become the prompt's context block.
+
+Kept warm: the block sits at the start of the prompt, so a different choice
+recomputes the whole prompt. A document keeps its chosen windows until a
+new choice scores `SWITCH_MARGIN` times better (or a chosen window's text is
+gone); while typing within a function the query changes a little on each
+keystroke and the block stays put.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import msgspec
+
+from completer.prompt import Snippet
+
+WINDOW_LINES = 12
+STRIDE_LINES = 6
+SWITCH_MARGIN = 1.25  # a new choice must score this much better to replace the kept one
+NEAR_DUPLICATE = 0.8  # windows this similar to a chosen one add nothing
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+PARTIAL = re.compile(r"[A-Za-z0-9_]*$")
+
+
+class Window(msgspec.Struct, frozen=True):
+    uri: str
+    first_line: int
+    text: str
+    names: frozenset[str]
+
+
+def identifiers(text: str) -> frozenset[str]:
+    return frozenset(IDENTIFIER.findall(text))
+
+
+def windows(snippet: Snippet) -> list[Window]:
+    lines = snippet.text.split("\n")
+    starts = range(0, max(1, len(lines) - WINDOW_LINES + STRIDE_LINES), STRIDE_LINES)
+    out = []
+    for first in starts:
+        text = "\n".join(lines[first: first + WINDOW_LINES])
+        if text.strip():
+            out.append(Window(snippet.uri, first, text, identifiers(text)))
+    return out
+
+
+def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / len(a | b) if a or b else 0.0
+
+
+def query_of(prefix: str) -> frozenset[str]:
+    """The identifiers of the last WINDOW_LINES lines before the cursor, but
+    for the one being typed at the cursor: the query holds still within a
+    word, and so does the choice."""
+    tail = "\n".join(prefix.split("\n")[-WINDOW_LINES:])
+    return identifiers(tail[: len(tail) - len(PARTIAL.search(tail).group())])
+
+
+class Retriever:
+    """One document's choice of windows, kept across its keystrokes.
+    `count(snippet)`: its tokens in the prompt; `budget`: the context's tokens."""
+
+    def __init__(self, count: Callable[[Snippet], int], budget: int):
+        self.count = count
+        self.budget = budget
+        self.chosen: list[Window] = []
+        self._windows: dict[tuple[str, str], list[Window]] = {}  # the files last sent, cut
+        self._tokens: dict[tuple[str, str], int] = {}
+        self._asked: tuple | None = None  # the last query and files
+
+    def select(self, prefix: str, snippets: list[Snippet]) -> list[Snippet]:
+        """The windows to place, as snippets (path and text), best last (nearest the code)."""
+        query = query_of(prefix)
+        asked = (query, tuple((s.uri, s.text) for s in snippets))
+        if asked == self._asked:  # within a word, the same files: the same choice, no scoring
+            return [Snippet(w.uri, w.text) for w in self.chosen]
+        self._asked = asked
+        cut = {(s.uri, s.text): self._windows.get((s.uri, s.text)) or windows(s) for s in snippets}
+        self._windows = cut
+        candidates = [w for ws in cut.values() for w in ws]
+        best = self._best(query, candidates)
+        available = {(w.uri, w.first_line, w.text) for w in candidates}
+        kept = bool(self.chosen) and all((w.uri, w.first_line, w.text) in available for w in self.chosen)
+        if not kept or score(query, best) > SWITCH_MARGIN * score(query, self.chosen):
+            self.chosen = best
+        return [Snippet(w.uri, w.text) for w in self.chosen]
+
+    def tokens(self, w: Window) -> int:
+        key = (w.uri, w.text)
+        if key not in self._tokens:
+            if len(self._tokens) > 4096:
+                self._tokens.clear()
+            self._tokens[key] = self.count(Snippet(w.uri, w.text))
+        return self._tokens[key]
+
+    def _best(self, query: frozenset[str], candidates: list[Window]) -> list[Window]:
+        ranked = sorted(((jaccard(query, w.names), w) for w in candidates), key=lambda sw: sw[0], reverse=True)
+        chosen: list[Window] = []
+        used = 0
+        for similarity, w in ranked:
+            if similarity == 0:
+                break
+            if any(jaccard(w.names, c.names) >= NEAR_DUPLICATE for c in chosen):
+                continue
+            if used + (n := self.tokens(w)) <= self.budget:
+                chosen.append(w)
+                used += n
+        return chosen[::-1]
+
+
+def score(query: frozenset[str], chosen: list[Window]) -> float:
+    return sum(jaccard(query, w.names) for w in chosen)

@@ -1,0 +1,81 @@
+"""Retrieval of the context block (completer/retrieval.py) and the imports
+that name context files (completer/imports.py)."""
+
+from completer.imports import imported_files, imported_modules
+from completer.prompt import Snippet
+from completer.retrieval import WINDOW_LINES, Retriever, windows
+
+MODELS = "\n".join([
+    "class Invoice:",
+    "    def __init__(self, customer, lines):",
+    "        self.customer = customer",
+    "        self.lines = lines",
+    "",
+    "    def total_amount(self):",
+    "        return sum(line.price * line.quantity for line in self.lines)",
+] + [f"# filler {i}" for i in range(30)] + [
+    "class Shipment:",
+    "    def tracking_number(self):",
+    "        return self.carrier.code + self.reference",
+])
+UTILS = "\n".join(f"def helper_{i}(x):\n    return x + {i}" for i in range(20))
+
+
+def retriever(budget: int = 10_000) -> Retriever:
+    return Retriever(lambda snip: len(snip.text.split()), budget)
+
+
+def test_the_window_that_shares_the_cursors_names_is_chosen_best_last():
+    prefix = "def bill(invoice):\n    amount = invoice.total_amount()\n    for line in invoice.lines:\n        line."
+    chosen = retriever(budget=40).select(prefix, [Snippet("app/utils.py", UTILS), Snippet("app/models.py", MODELS)])
+    assert chosen and chosen[-1].uri == "app/models.py" and "total_amount" in chosen[-1].text
+    assert all("tracking_number" not in c.text for c in chosen)
+
+
+def test_the_block_stays_put_while_typing_and_moves_when_the_code_does():
+    r = retriever(budget=30)
+    files = [Snippet("app/models.py", MODELS), Snippet("app/utils.py", UTILS)]
+    first = r.select("invoice.total_amount()\nline.price", files)
+    for typed in ("invoice.total_amount()\nline.price * ", "invoice.total_amount()\nline.price * line.q"):
+        assert r.select(typed, files) == first  # the same block: the prefix cache still hits
+    moved = r.select("shipment.carrier.code\nself.reference\nshipment.tracking_number()", files)
+    assert moved != first and "tracking_number" in moved[-1].text
+
+
+def test_a_kept_window_whose_file_changed_is_dropped_and_the_budget_holds():
+    r = retriever(budget=25)
+    r.select("invoice.total_amount()", [Snippet("app/models.py", MODELS)])
+    changed = MODELS.replace("total_amount", "grand_total")
+    chosen = r.select("invoice.total_amount()", [Snippet("app/models.py", changed)])
+    assert all("total_amount" not in c.text for c in chosen)
+    assert sum(len(c.text.split()) for c in chosen) <= 25
+
+
+def test_nothing_in_common_places_nothing_and_windows_cover_the_file():
+    assert retriever().select("zzz_unrelated", [Snippet("a.py", UTILS)]) == []
+    lines = UTILS.split("\n")
+    covered = set()
+    for w in windows(Snippet("a.py", UTILS)):
+        covered |= set(range(w.first_line, min(len(lines), w.first_line + WINDOW_LINES)))
+    assert covered == set(range(len(lines)))
+
+
+def test_imports_name_the_package_files_relative_and_absolute():
+    text = "import os\nfrom . import utils\nfrom .models import Invoice\nimport app.billing.tax\n" \
+           "from ..core.db import session\n"
+    assert "app.billing.models" in imported_modules(text, "app/billing/views.py")
+    known = {"app/billing/models.py", "app/billing/utils.py", "app/billing/tax.py", "app/core/db/__init__.py",
+             "app/billing/views.py"}
+    assert imported_files(text, "app/billing/views.py", known) == [
+        "app/billing/utils.py", "app/billing/models.py", "app/billing/tax.py", "app/core/db/__init__.py"]
+    # An installed package's files are relative to it; its absolute imports carry its name.
+    assert imported_files("from pip._internal.req import req_file", "_internal/cli/main.py",
+                          {"_internal/req/req_file.py"}, ("", "pip/")) == ["_internal/req/req_file.py"]
+    assert imported_files("this is not python (", "x.py", {"y.py"}) == []
+
+
+def test_the_query_holds_still_within_a_word():
+    from completer.retrieval import query_of
+
+    assert query_of("x = invoice.total_am") == query_of("x = invoice.total_amo") == query_of("x = invoice.")
+    assert "invoice" in query_of("x = invoice.t")
