@@ -63,6 +63,8 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_documents_per_connection: int = 256  # prompt state kept per connection (least recently used goes)
     prefix_cache_scope: Literal["shared", "connection"] = "shared"  # who may reuse a prompt's cached K/V
     public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
+    # Per connection: the files its client sent (context, documents) kept as retrieval candidates (0: none).
+    context_store_chars: int = 1_000_000
 
 
 class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -191,6 +193,9 @@ def problems(config: Config) -> list[ConfigProblem]:
                                    f"request.deadline_ms = {r.deadline_ms}: must be a positive number"))
     if not 0 <= s.port <= 65535:
         found.append(ConfigProblem(("server.port",), f"server.port = {s.port}: must be 0 (any free port) to 65535"))
+    if s.context_store_chars < 0:
+        found.append(ConfigProblem(("server.context_store_chars",), f"server.context_store_chars = "
+                                   f"{s.context_store_chars}: must be 0 (none) or more"))
     for key in ("max_frame_bytes", "max_document_chars", "max_inflight_per_connection", "max_connections",
                 "send_queue_frames", "max_documents_per_connection"):
         if getattr(s, key) < 1:

@@ -38,7 +38,8 @@ class DocumentPrompt:
         self.builder = builder
         # With retrieval, the context is the best-matching windows of the files sent (kept
         # across keystrokes); without, the files in the client's order, whole, while they fit.
-        self.retriever = Retriever(builder.snippet_tokens, builder.context_budget) if retrieval else None
+        self.retriever = Retriever(lambda snip: len(builder.snippet_tokens(snip)),
+                                   builder.context_budget) if retrieval else None
         self.context_key: tuple | None = None
         self.context: list[int] = []
         self.suffix_head: str | None = None  # the suffix text fit_suffix looked at

@@ -79,3 +79,41 @@ def test_the_query_holds_still_within_a_word():
 
     assert query_of("x = invoice.total_am") == query_of("x = invoice.total_amo") == query_of("x = invoice.")
     assert "invoice" in query_of("x = invoice.t")
+
+
+def test_the_store_keeps_a_connections_other_files_newest_first_within_its_budget():
+    from completer.context_store import ContextStore
+    from completer.protocol import ContextItem, Document
+
+    store = ContextStore(max_chars=100)
+    assert store.candidates(Document("a.py", "x" * 30, "y" * 10), []) == []
+    got = store.candidates(Document("b.py", "b", ""), [ContextItem("c.py", "c" * 20)])
+    assert [i.uri for i in got] == ["c.py", "a.py"] and got[1].text == "x" * 30 + "y" * 10
+    got = store.candidates(Document("a.py", "z", ""), [])  # its own document is never its context
+    assert [i.uri for i in got] == ["b.py", "c.py"]
+    store.candidates(Document("d.py", "d" * 90, ""), [])  # over the budget: the oldest go (c.py)
+    assert [i.uri for i in store.candidates(Document("e.py", "", ""), [])] == ["d.py", "a.py", "b.py"]
+    assert ContextStore(0).candidates(Document("a.py", "", ""), [ContextItem("c.py", "c")]) == [
+        ContextItem("c.py", "c")]
+
+
+async def test_a_file_completed_in_earlier_is_context_for_the_next_on_the_real_server():
+    from server_harness import collect, complete_msg, connect, running_server
+
+    models = MODELS + "\n"
+    with running_server() as server:
+        async def prompt_tokens(ws, rid: str, uri: str, prefix: str) -> int:
+            await ws.send(complete_msg(rid, prefix, uri=uri, max_tokens=1))
+            _, done = await collect(ws, rid)
+            assert done["type"] == "done", done
+            return done["timings"]["prompt_tokens"]
+
+        query = "def bill(invoice):\n    amount = invoice.total_amount()\n    for line in invoice.lines:\n"
+        async with connect(server) as ws:
+            alone = await prompt_tokens(ws, "1", "file:///app/billing.py", query)
+        async with connect(server) as ws:  # a new connection: its store is empty again
+            await prompt_tokens(ws, "1", "file:///app/models.py", models)
+            with_models = await prompt_tokens(ws, "2", "file:///app/billing.py", query)
+            assert with_models > alone + 20  # models.py's windows at the start of the prompt
+        async with connect(server) as ws:
+            assert await prompt_tokens(ws, "1", "file:///app/billing.py", query) == alone

@@ -18,6 +18,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from completer import __version__
+from completer.context_store import ContextStore
 from completer.document import DocumentPrompt
 from completer.engine.engine import RequestStream
 from completer.engine.request import EngineError
@@ -50,6 +51,8 @@ class Session:
         self.writer: asyncio.Task | None = None
         self.closing: asyncio.Task | None = None
         self.too_slow = False
+        # The other files this client has shown us: retrieval candidates for its later requests.
+        self.context_store = ContextStore(app.config.server.context_store_chars if app.config.model.retrieval else 0)
 
     def engine_id(self, request_id: str) -> str:
         return f"{self.key}/{request_id}"
@@ -162,7 +165,8 @@ class Session:
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
                                  stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt, n=msg.n)
         try:
-            request = app.pipeline.request(self.engine_id(msg.id), msg.document, msg.context, options, state,
+            context = self.context_store.candidates(msg.document, msg.context)
+            request = app.pipeline.request(self.engine_id(msg.id), msg.document, context, options, state,
                                            arrival=received)
         except Exception as e:  # never let one request take the connection down
             self.error(msg.id, "internal", f"{type(e).__name__}: {e}")
