@@ -64,9 +64,11 @@ class CompletionPipeline:
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
 
-    def document(self) -> DocumentPrompt:
-        """Prompt state for one document: keystrokes re-tokenize only what changed."""
-        return DocumentPrompt(self.target.prompt_builder(self.budget), self.retrieval)
+    def document(self, retrieval: bool | None = None) -> DocumentPrompt:
+        """Prompt state for one document: keystrokes re-tokenize only what changed.
+        `retrieval`: choose context windows (None: model.retrieval)."""
+        retrieval = self.retrieval if retrieval is None else retrieval
+        return DocumentPrompt(self.target.prompt_builder(self.budget), retrieval)
 
     def request(self, request_id: str, document: Document, context: Iterable[ContextItem] = (),
                 options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,

@@ -39,9 +39,11 @@ LONG_CHARS = 12_000  # well over the 2,048-token window: the prompt is cut to it
 
 def disagg_settings(worker: str) -> tuple[str, ...]:
     """The server's: no local worker, `worker` the only one, every prompt over
-    64 uncached tokens sent to it (the slack makes remote always the choice)."""
+    64 uncached tokens sent to it (the slack makes remote always the choice).
+    No context store: the short request stays short (the long documents sent
+    before it on the connection would otherwise be retrieved into its prompt)."""
     return (*SHARED, "disagg.enabled=true", "disagg.workers=0", f'disagg.remote_workers=["{worker}"]',
-            "disagg.threshold_tokens=64", "disagg.remote_slack=1000")
+            "disagg.threshold_tokens=64", "disagg.remote_slack=1000", "server.context_store_chars=0")
 
 
 def long_requests(n: int) -> list[dict]:

@@ -231,11 +231,16 @@ def scrape(server) -> dict[str, float]:
 
 
 def live(server) -> dict:
-    """The gauges read at scrape time, from /metrics and /v1/stats (which must agree)."""
-    m = scrape(server)
-    stats = json.loads(get(server, "/v1/stats", BEARER)[2])
-    pools = {json.loads(k.removeprefix("completer_kv_blocks_used"))["pool"]: v
-             for k, v in m.items() if k.startswith("completer_kv_blocks_used{")}
+    """The gauges read at scrape time, from /metrics and /v1/stats (which must
+    agree when nothing changed between the two reads: a request decoding
+    takes a block every few tokens, so they are read again until it did not)."""
+    for _ in range(50):
+        m = scrape(server)
+        stats = json.loads(get(server, "/v1/stats", BEARER)[2])
+        pools = {json.loads(k.removeprefix("completer_kv_blocks_used"))["pool"]: v
+                 for k, v in m.items() if k.startswith("completer_kv_blocks_used{")}
+        if pools == stats["kv_blocks_used"]:
+            break
     assert pools == stats["kv_blocks_used"]
     assert m["completer_requests_in_flight"] == stats["requests_in_flight"]
     return {"blocks": pools, "in_flight": stats["requests_in_flight"], "tasks": m["completer_event_loop_tasks"]}

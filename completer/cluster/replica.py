@@ -15,7 +15,7 @@ import msgspec
 from completer.cluster.routing import Hop
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
-from completer.engine.request import Delta, EngineError, Failed, Finished
+from completer.engine.request import EngineError, Failed, Finished
 from completer.loading import load_models
 
 PREFIXES_REPORTED = 512  # prompt heads a replica lists in its routing stats (most recent)
@@ -26,9 +26,7 @@ class EngineReplica:
         import torch
 
         config = msgspec.json.decode(config_json, type=Config)
-        threads = max(1, int(config.cluster.cpus_per_replica))
-        torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(max(1, int(config.cluster.cpus_per_replica)))
         m = config.model
         target, draft = await asyncio.to_thread(
             run_in_passing_thread, load_models, m.target, m.draft, m.precision, m.template or None,
@@ -83,6 +81,3 @@ class EngineReplica:
         if engine is not None:
             engine.stop()
 
-
-# Types that cross the hop (Ray pickles them; they are msgspec Structs).
-EVENTS = (Delta, Finished, Failed)

@@ -141,7 +141,9 @@ class CompatEngine:
         if app.config.server.prefix_cache_scope == "connection":
             options = msgspec.structs.replace(options, cache_salt=client)
         key = (client, options.max_tokens == 0)
-        state = self.documents.pop(key, None) or app.pipeline.document()
+        # llama.cpp's placement: input_extra chunks in the order sent (llama.vim primes them so, with
+        # an empty prefix, and expects the next keystroke to find them cached), not retrieved.
+        state = self.documents.pop(key, None) or app.pipeline.document(retrieval=False)
         self.documents[key] = state
         while len(self.documents) > app.config.server.max_documents_per_connection:
             self.documents.popitem(last=False)
