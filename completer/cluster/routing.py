@@ -67,12 +67,12 @@ class AffinityTable:
         """`loads`: requests in flight per live replica (not empty); `holders`:
         prefix hash -> replicas that served it recently."""
         least = min(loads, key=lambda r: (loads[r], self.homed.get(r, 0), r))
-        near = lambda r: loads[r] - loads[least] <= self.move_margin  # noqa: E731
+        within = loads[least] + self.move_margin  # the most a replica may hold and still be chosen for warmth
         home = self.home.get(key) if key else None
         if home in loads:
-            decision = Decision(home, "hit") if near(home) else Decision(least, "moved")
+            decision = Decision(home, "hit") if loads[home] <= within else Decision(least, "moved")
         else:
-            warm = [r for r in holders.get(head, ()) if r in loads and near(r)]
+            warm = [r for r in holders.get(head, ()) if r in loads and loads[r] <= within]
             if warm:
                 decision = Decision(min(warm, key=lambda r: (loads[r], r)), "prefix")
             else:
