@@ -1,5 +1,5 @@
-"""The front door's engine: what `Engine` offers a session (submit, cancel,
-live, stop), each request one streaming call through the Serve deployment
+"""The link process's engine (link.py): submit, cancel and stop as `Engine`
+offers them, each request one streaming call through the Serve deployment
 handle to the replica the router picks.
 
 Ids and keys get this front door's name before they leave: several front
@@ -23,8 +23,8 @@ import time
 import msgspec
 
 from completer.cluster.config import ClusterConfig
-from completer.cluster.routing import ROUTER_STATS, Hop, prefix_hash
-from completer.engine.engine import EngineLive, RequestStream, Superseding
+from completer.cluster.routing import Hop, prefix_hash
+from completer.engine.engine import RequestStream, Superseding
 from completer.engine.request import Delta, EngineError, Failed, Finished, Request, Timings
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,12 @@ class Call:
 
 
 class ClusterEngine:
-    def __init__(self, handle, config: ClusterConfig, on_stop=None):
+    def __init__(self, handle, config: ClusterConfig):
         self.handle = handle.options(stream=True)
         self.config = config
         self.door = secrets.token_hex(4)  # this front door's name among those sharing the replicas
         self.calls: dict[str, Call] = {}
         self._superseding = Superseding()
-        self._on_stop = on_stop
 
     def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True,
                affinity: str = "") -> RequestStream:
@@ -77,18 +76,8 @@ class ClusterEngine:
         for request_id in list(self.calls):
             self.cancel(request_id)
 
-    def live(self) -> EngineLive:
-        """The replicas' load as they last reported it (every cluster.routing_stats_period_s)."""
-        replicas = ROUTER_STATS.snapshot()["replicas"]
-        usage = [s.get("kv_cache_usage", 0.0) for s in replicas.values()]
-        return EngineLive(running=sum(s.get("running", 0) for s in replicas.values()),
-                          waiting=sum(s.get("waiting", 0) for s in replicas.values()),
-                          kv_cache_usage=sum(usage) / len(usage) if usage else 0.0)
-
     def stop(self) -> None:
         self.cancel_all()
-        if self._on_stop is not None:
-            self._on_stop()
 
     # -- one call ---------------------------------------------------------------
 

@@ -77,8 +77,8 @@ class Cluster:
             kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
             if c.address:
                 ray.init(address=c.address, **kwargs)
-            else:  # one machine: a cluster of its own, with a small object store (frames are small)
-                ray.init(object_store_memory=256 * 2**20, **kwargs)
+            else:  # one machine: a cluster of its own (never one `ray start` left here), a small object store
+                ray.init(address="local", object_store_memory=256 * 2**20, **kwargs)
                 self.started_ray = True
         if c.deploy:
             serve.start(proxy_location="Disabled")

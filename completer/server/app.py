@@ -27,7 +27,6 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from completer.checkpoint import CheckpointError
-from completer.cluster.routing import ROUTER_STATS
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.loading import LoadedModel, load_faces, load_models
@@ -39,7 +38,7 @@ from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
 
 if TYPE_CHECKING:
-    from completer.cluster.client import ClusterEngine
+    from completer.cluster.front import LinkedEngine
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -51,9 +50,8 @@ class App:
         self.metrics = Metrics()
         self.target: LoadedModel | None = None
         self.draft: LoadedModel | None = None
-        self.engine: Engine | ClusterEngine | None = None
-        self.cluster = None  # cluster.deploy.Cluster under `--cluster`
-        self.signal_handlers: list[tuple[int, object]] = []  # what `run` installed (SIGINT, SIGTERM)
+        self.engine: Engine | LinkedEngine | None = None
+        self.cluster: LinkedEngine | None = None  # the engine, under `--cluster`
         self.pipeline: CompletionPipeline | None = None
         self.local_workers: list = []  # disagg.local_workers.LocalWorker
         self.sessions: set[Session] = set()
@@ -102,29 +100,20 @@ class App:
 
     async def start_cluster(self, on_loaded=None) -> None:
         """`--cluster`: the front door's tokenizer and template here, the
-        engines as Ray Serve replicas (started, or joined)."""
-        from completer.cluster.client import ClusterEngine
-        from completer.cluster.deploy import Cluster
+        engines as Ray Serve replicas (started, or joined) through the link
+        process (cluster/link.py); this process never imports Ray."""
+        from completer.cluster.front import LinkedEngine
 
         m = self.config.model
         self.target, self.draft = await asyncio.to_thread(load_faces, m.target, m.draft, m.precision,
                                                           m.template or None, m.order or None, m.device)
         if on_loaded is not None:
             on_loaded()
-        cluster = Cluster(self.config)
-        try:
-            handle = await asyncio.to_thread(cluster.start)
-        except Exception as e:
-            await asyncio.to_thread(cluster.stop)
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            raise CheckpointError(f"cluster: cannot start the engine replicas ({type(e).__name__}: {first_line})") \
-                from e
-        loop = asyncio.get_running_loop()
-        for sig, handler in self.signal_handlers:  # Ray's core worker installed its own (it exits at once)
-            loop.add_signal_handler(sig, handler)
-        self.cluster = cluster
+        engine = LinkedEngine(self.config)
+        await engine.start()
+        self.cluster = engine
         self.pipeline = CompletionPipeline(self.target, self.config)
-        self.engine = ClusterEngine(handle, self.config.cluster, on_stop=cluster.stop)
+        self.engine = engine
 
     async def start_engine(self, on_loaded=None) -> None:
         """Load the models (and start the prefill workers), call `on_loaded()`,
@@ -180,7 +169,8 @@ class App:
             live.running, live.waiting = engine.running, engine.waiting
             live.kv_cache_usage, live.kv_blocks_used = engine.kv_cache_usage, engine.kv_blocks_used
             if self.cluster is not None:
-                self.metrics.set_cluster(ROUTER_STATS.snapshot())
+                if self.cluster.snapshot:  # none while the link to the cluster is down
+                    self.metrics.set_cluster(self.cluster.snapshot)
             elif self.engine.core.disagg is not None:
                 live.prefill_workers_up = self.engine.core.disagg.remote.workers_up
         self.metrics.set_live(live)
@@ -201,7 +191,10 @@ class App:
         # the dashboard's page holds no figures (it fetches them with the token).
         token_ok = security.token_matches(self.token, request.headers.get("Authorization"), request.path)
         if path == "/healthz":
-            return self.json_response(conn, 200 if ready else 503, {"status": "ok" if ready else "loading"})
+            status = "ok" if ready else "loading"
+            if self.cluster is not None and not self.cluster.up:
+                status = "reconnecting"  # to the Ray cluster: requests are refused until it is back
+            return self.json_response(conn, 200 if status == "ok" else 503, {"status": status})
         if path == "/metrics":
             if not (token_ok or self.config.server.public_metrics):
                 return self.unauthorized(conn)
@@ -306,6 +299,8 @@ class App:
                     await self.compat.stop()
         if self.engine is not None:
             self.engine.stop()
+        if self.cluster is not None:
+            await self.cluster.wait_stopped()
         self.stop_workers()
 
 
@@ -340,7 +335,7 @@ def run(config: Config, token: str, token_source: str) -> int:
         else:
             draft = f", draft {loaded.draft.name}" if loaded.draft else ""
             if loaded.cluster is not None:
-                print(loaded.cluster.describe(), flush=True)
+                print(loaded.cluster.description, flush=True)
             print(f"models loaded: target {loaded.target.name} ({loaded.target.directory}){draft}; "
                   f"precision {loaded.target.describe_precision()}; ready", flush=True)
 
@@ -349,7 +344,6 @@ def run(config: Config, token: str, token_source: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-            app.signal_handlers.append((sig, stop.set))
         await app.serve(stop, on_listening)
 
     asyncio.run(main())
