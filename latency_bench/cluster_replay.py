@@ -13,6 +13,10 @@ Rows (each a fresh `completer serve` on the default model, the same traces):
 - `affinity_2`: two replicas of one core each, the affinity router;
 - `ray_default_2`: the same two replicas, Serve's power-of-two-choices router.
 
+`--kill-replica-at S` kills (SIGKILL) one engine replica's process S seconds
+into each replay of a row with two replicas: the outcomes then count what
+ended with an error, and `unanswered` what got no answer at all.
+
 Per row: keystrokes answered before the next key, TTFT and line percentiles
 (with their sample counts), the cached share of prompt tokens (the warm KV a
 router keeps or throws away), errors, and from /metrics the router's
@@ -27,6 +31,7 @@ import asyncio
 import json
 import random
 import sys
+import threading
 import time
 import tracemalloc
 import urllib.request
@@ -73,14 +78,36 @@ def cluster_figures(http: str) -> dict:
     return out
 
 
+def kill_one_replica() -> dict:
+    """SIGKILL the newest Serve replica process of the engine deployment (as a crash would)."""
+    import os
+    import signal
+    import subprocess
+
+    pids = subprocess.run(["pgrep", "-n", "-f", "ServeReplica:completer:engine"], capture_output=True,
+                          text=True).stdout.split()
+    if not pids:
+        return {"killed": None}
+    os.kill(int(pids[0]), signal.SIGKILL)
+    return {"killed": int(pids[0]), "at": now()}
+
+
 def run_row(name: str, args, files) -> dict:
     runs = {}
     with running_server(*ROWS[name], model=args.model, timeout=600) as server:
         tail = keep_reading_log(server)
         for n in args.editors:
             opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}")
+            kill = None
+            if args.kill_replica_at is not None and "cluster.replicas=2" in ROWS[name]:
+                kill = {}
+                timer = threading.Timer(args.kill_replica_at, lambda: kill.update(kill_one_replica()))
+                timer.start()
             samples = asyncio.run(replay(traces(files, opts), opts, url=server.ws_url, token=TOKEN))
             summary = summarize(samples)
+            if kill is not None:
+                timer.cancel()
+                summary["replica_kill"] = {"at_s": args.kill_replica_at, **kill}
             summary.pop("finished_sites")
             # Outside the engine: the editor's time to first text less the engine's own (which counts
             # from the arrival, the front door's tokenizing included): WebSocket, event loops and, in
@@ -145,6 +172,14 @@ def report(result: dict) -> str:
                 f"{fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms ({r['e2e_n']}) | "
                 f"{outside} ({r['outside_engine_n']}) | "
                 f"{r['cached_share']:.1%} | {r['errors']} | {outcomes} | {routed} | {per} |")
+    for name, row in result["rows"].items():
+        for n, r in row["runs"].items():
+            if kill := r.get("replica_kill"):
+                o = r["outcomes"]
+                lines.append(f"\n{name}, {n} editors: replica process {kill.get('killed')} killed "
+                             f"{kill['at_s']:.0f} s in; {r['keystrokes']} keystrokes: "
+                             + ", ".join(f"{k} {v}" for k, v in sorted(o.items()))
+                             + f"; unanswered {o.get('unanswered', 0)}")
     cost = result["routing_cost"]
     lines.append("")
     lines.append(f"Routing decision alone at {cost['replicas']} replicas and {cost['editors']:,} editors "
@@ -159,6 +194,8 @@ def main() -> None:
     ap.add_argument("--editors", nargs="+", type=int, default=[4])
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-replica-at", type=float, default=None,
+                    help="seconds into each two-replica replay at which one replica's process is killed")
     ap.add_argument("--model", default="default")
     ap.add_argument("--corpus", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "cluster_replay.json")
