@@ -65,6 +65,10 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
     # Per connection: the files its client sent (context, documents) kept as retrieval candidates (0: none).
     context_store_chars: int = 1_000_000
+    # Folders on this machine under which a request's `workspace` may be read to resolve its document's
+    # imports (completer/workspace.py); absolute paths. Empty: the server never reads a client's files.
+    workspace_roots: list[str] = []
+    workspace_file_bytes: int = 256 * 1024  # a larger imported file is not read
 
 
 class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -196,8 +200,12 @@ def problems(config: Config) -> list[ConfigProblem]:
     if s.context_store_chars < 0:
         found.append(ConfigProblem(("server.context_store_chars",), f"server.context_store_chars = "
                                    f"{s.context_store_chars}: must be 0 (none) or more"))
+    for i, root in enumerate(s.workspace_roots):
+        if not Path(root).is_absolute() or not Path(root).is_dir():
+            found.append(ConfigProblem(("server.workspace_roots",), f"server.workspace_roots[{i}] = {root!r}: "
+                                       "must be the absolute path of an existing folder"))
     for key in ("max_frame_bytes", "max_document_chars", "max_inflight_per_connection", "max_connections",
-                "send_queue_frames", "max_documents_per_connection"):
+                "send_queue_frames", "max_documents_per_connection", "workspace_file_bytes"):
         if getattr(s, key) < 1:
             found.append(ConfigProblem((f"server.{key}",), f"server.{key} = {getattr(s, key)}: must be at least 1"))
     c = config.compat

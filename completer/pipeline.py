@@ -79,7 +79,7 @@ class CompletionPipeline:
         backs off its last token, to be re-spelled."""
         arrival = time.perf_counter() if arrival is None else arrival
         state = state or self.document()
-        snippets = [Snippet(display_path(c.uri) or "", c.text) for c in context]
+        snippets = [Snippet(display_path(c.uri) or "", c.text, c.kind) for c in context]
         prompt = state.update(document.prefix, document.suffix, display_path(document.uri), snippets)
         tokens, heal = prompt.tokens, b""
         if state.builder.template.order != "psm":

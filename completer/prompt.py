@@ -28,6 +28,7 @@ class Snippet(msgspec.Struct, frozen=True):
 
     uri: str
     text: str
+    kind: str = ""  # the protocol's ContextItem.kind: a prior for retrieval, not part of the prompt
 
 
 class FimTemplate(msgspec.Struct, frozen=True):

@@ -45,9 +45,18 @@ class Document(msgspec.Struct, frozen=True):
     language: Annotated[str, Meta(max_length=MAX_LANGUAGE_CHARS)] = ""
 
 
+# Where a context item came from: "" unknown; "open" an open buffer; "visited"
+# a recently visited file; "edit" a recently edited range; "yank" yanked or
+# copied text; "definition" the definition of a name the document imports or
+# uses (the editor's language server, or the server's import resolver).
+# Retrieval ranks definitions and recent edits a little ahead.
+ContextKind = Literal["", "open", "visited", "edit", "yank", "definition"]
+
+
 class ContextItem(msgspec.Struct, frozen=True):
     uri: Uri  # its path goes into the prompt, like the document's
     text: str
+    kind: ContextKind = ""
 
 
 # -- client -> server ---------------------------------------------------------
@@ -73,6 +82,10 @@ class Complete(msgspec.Struct, tag="complete", tag_field="type", frozen=True):
     # "next line" request sent after an accept must not end the one shown).
     supersede: bool = True
     n: Annotated[int, Meta(ge=1, le=MAX_CANDIDATES)] = 1  # completions wanted; `done.candidates` has the others
+    # The root folder (a URI) of the editor workspace the document belongs to: the
+    # connection's stored files are candidates only within it, and a server that
+    # allows the folder (server.workspace_roots) resolves the document's imports there.
+    workspace: Uri = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):

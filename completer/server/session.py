@@ -25,6 +25,7 @@ from completer.engine.request import EngineError
 from completer.pipeline import RequestOptions
 from completer.protocol import (PROTOCOL_VERSION, Cancel, Complete, Delta, Done, Error, Feedback, Hello,
                                 ModelNames, Ready, decode, encode)
+from completer.workspace import WorkspaceFiles
 
 if TYPE_CHECKING:
     from completer.server.app import App
@@ -53,6 +54,8 @@ class Session:
         self.too_slow = False
         # The other files this client has shown us: retrieval candidates for its later requests.
         self.context_store = ContextStore(app.config.server.context_store_chars if app.config.model.retrieval else 0)
+        # The files a document imports, read from its workspace where server.workspace_roots allows.
+        self.workspace_files = WorkspaceFiles(app.config.server.workspace_roots, app.config.server.workspace_file_bytes)
 
     def engine_id(self, request_id: str) -> str:
         return f"{self.key}/{request_id}"
@@ -165,7 +168,8 @@ class Session:
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
                                  stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt, n=msg.n)
         try:
-            context = self.context_store.candidates(msg.document, msg.context)
+            found = self.workspace_files.imported(msg.workspace, msg.document)
+            context = self.context_store.candidates(msg.document, msg.context, msg.workspace, found)
             request = app.pipeline.request(self.engine_id(msg.id), msg.document, context, options, state,
                                            arrival=received)
         except Exception as e:  # never let one request take the connection down

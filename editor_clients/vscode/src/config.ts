@@ -15,6 +15,7 @@ export interface Settings {
   contextEnabled: boolean;
   contextMaxSnippets: number;
   contextMaxChars: number;
+  contextDefinitions: number;
   reconnectMaxDelayMs: number;
   /** languageId -> on/off, `*` for the rest. */
   languages: Record<string, boolean>;
@@ -57,6 +58,7 @@ export function readSettings(): Settings {
     contextEnabled: bool('context.enabled', true),
     contextMaxSnippets: num('context.maxSnippets', 4, 0, 64),
     contextMaxChars: num('context.maxChars', 600),
+    contextDefinitions: num('context.definitions', 8, 0, 64),
     reconnectMaxDelayMs: num('reconnect.maxDelayMs', 10_000, 100),
     languages: languages && typeof languages === 'object' ? { ...languages } : { ...DEFAULT_LANGUAGES },
     exclude: Array.isArray(exclude) ? exclude.filter((g): g is string => typeof g === 'string') : [],

@@ -5,9 +5,11 @@
 // that changes costs a prefill of everything after it: the list changes only
 // when the user moves on (edits elsewhere, switches editors), never while they
 // type in one place. Snippets are snapshots taken at those moments, not the
-// documents' live text. No vscode API.
+// documents' live text. Each snippet carries its kind: "edit" (an edited
+// region), "visited" (where the user left a document), "open" (a document open
+// when the extension started). No vscode API.
 
-import type { ContextItem } from './protocol';
+import type { ContextItem, ContextKind } from './protocol';
 import { nearbyText } from './text';
 
 export interface ContextDocument {
@@ -27,6 +29,7 @@ interface Snippet extends ContextItem {
   languageId: string;
   /** The line the snippet is centred on. */
   line: number;
+  kind: ContextKind;
 }
 
 /** Edits within this many lines of each other are one region. */
@@ -105,7 +108,7 @@ export class ContextCollector {
         return; // its edited region came first
       }
       fromEdits.add(s.uri);
-      out.push({ uri: s.uri, text: s.text.length > limits.maxChars ? s.text.slice(0, limits.maxChars) : s.text });
+      out.push({ uri: s.uri, text: s.text.length > limits.maxChars ? s.text.slice(0, limits.maxChars) : s.text, kind: s.kind });
     };
     this.edited.forEach((s) => consider(s, false));
     this.open.forEach((s) => consider(s, true));
@@ -118,7 +121,7 @@ export class ContextCollector {
     if (!e) {
       return;
     }
-    const snippet = this.snapshot(e.doc, e.line);
+    const snippet = this.snapshot(e.doc, e.line, 'edit');
     if (!snippet) {
       return;
     }
@@ -128,7 +131,7 @@ export class ContextCollector {
   }
 
   private remember(doc: ContextDocument, line: number, recent: boolean): void {
-    const snippet = this.snapshot(doc, line);
+    const snippet = this.snapshot(doc, line, recent ? 'visited' : 'open');
     const others = this.open.filter((s) => s.uri !== doc.uri);
     if (!snippet) {
       this.open = others;
@@ -137,11 +140,11 @@ export class ContextCollector {
     this.open = (recent ? [snippet, ...others] : [...others, snippet]).slice(0, MAX_OPEN);
   }
 
-  private snapshot(doc: ContextDocument, line: number): Snippet | undefined {
+  private snapshot(doc: ContextDocument, line: number, kind: ContextKind): Snippet | undefined {
     if (!this.readable(doc.uri, doc.languageId)) {
       return undefined;
     }
     const text = nearbyText(doc.lineCount, (i) => doc.lineAt(i), line, this.limits().maxChars);
-    return { uri: doc.uri, languageId: doc.languageId, line, text };
+    return { uri: doc.uri, languageId: doc.languageId, line, text, kind };
   }
 }

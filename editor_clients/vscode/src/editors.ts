@@ -6,6 +6,7 @@ import * as vscode from 'vscode';
 
 import type { Settings } from './config';
 import type { ContextCollector, ContextDocument } from './context';
+import type { Definitions } from './definitions';
 import type { Prefetcher } from './prefetch';
 import { ACCEPTED_COMMAND, CompleterProvider, documentText, textSource } from './provider';
 
@@ -16,6 +17,7 @@ export interface EditorParts {
   provider: CompleterProvider;
   prefetch: Prefetcher;
   context: ContextCollector;
+  definitions?: Definitions;
   settings: () => Settings;
 }
 
@@ -29,9 +31,15 @@ function indentUnit(editor: vscode.TextEditor): string {
   return options.insertSpaces === false ? '\t' : ' '.repeat(typeof options.tabSize === 'number' ? options.tabSize : 4);
 }
 
-export function watchEditors({ provider, prefetch, context, settings }: EditorParts) {
+export function watchEditors({ provider, prefetch, context, definitions, settings }: EditorParts) {
   const tracker = provider.tracker;
   const usable = (doc: vscode.TextDocument) => DOCUMENT_SCHEMES.has(doc.uri.scheme);
+  /** Look up what `doc` imports, in the background (a no-op while its import lines stay the same). */
+  const lookUp = (doc: vscode.TextDocument) => {
+    if (definitions && usable(doc)) {
+      void definitions.refresh({ uri: doc.uri.toString(), languageId: doc.languageId, text: doc.getText() });
+    }
+  };
   /** The active editor's document and cursor line, for the context snapshot taken when it is left. */
   let current: { doc: vscode.TextDocument; line: number } | undefined;
 
@@ -85,6 +93,9 @@ export function watchEditors({ provider, prefetch, context, settings }: EditorPa
   }
   const active = vscode.window.activeTextEditor;
   current = active ? { doc: active.document, line: active.selection.active.line } : undefined;
+  if (active) {
+    lookUp(active.document);
+  }
 
   const subscriptions: vscode.Disposable[] = [
     vscode.commands.registerCommand(ACCEPTED_COMMAND, acceptedWhole),
@@ -119,13 +130,24 @@ export function watchEditors({ provider, prefetch, context, settings }: EditorPa
         tracker.finish('dismissed');
       }
       primeActive();
+      if (editor) {
+        lookUp(editor.document);
+      }
     }),
     vscode.workspace.onDidChangeTextDocument((e) => {
       if (usable(e.document) && e.contentChanges.length > 0) {
         context.changed(contextDocument(e.document), e.contentChanges[0].range.start.line);
+        // Only an edit on an import line can change what is imported; the lookup is skipped when they did not.
+        const text = e.document.lineAt(e.contentChanges[0].range.start.line).text;
+        if (/^\s*(from|import)\s/.test(text) || e.contentChanges.some((c) => c.text.includes('\n'))) {
+          lookUp(e.document);
+        }
       }
     }),
-    vscode.workspace.onDidCloseTextDocument((doc) => context.closed(doc.uri.toString())),
+    vscode.workspace.onDidCloseTextDocument((doc) => {
+      context.closed(doc.uri.toString());
+      definitions?.closed(doc.uri.toString());
+    }),
   ];
   return { subscriptions, primeActive };
 }

@@ -8,6 +8,7 @@ import { CompletionCache } from './cache';
 import { CompleterClient, CompletionResult, StateChange } from './client';
 import { readSettings, SECTION, Settings } from './config';
 import { ContextCollector } from './context';
+import { Definitions } from './definitions';
 import { watchEditors } from './editors';
 import { FeedbackLedger } from './feedback';
 import { Prefetcher } from './prefetch';
@@ -28,6 +29,7 @@ export interface CompleterApi {
   status: StatusBar;
   cache: CompletionCache;
   context: ContextCollector;
+  definitions: Definitions;
   tokens: TokenStore;
   settings(): Settings;
 }
@@ -66,9 +68,26 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
   const collector = new ContextCollector(
     () => ({ enabled: settings.contextEnabled, maxSnippets: settings.contextMaxSnippets, maxChars: settings.contextMaxChars }),
     (uri) => !privacy.excludedPath(uri));
+  const definitions = new Definitions({
+    lookup: async (uri, line, character) => {
+      const found = await vscode.commands.executeCommand<(vscode.Location | vscode.LocationLink)[] | undefined>(
+        'vscode.executeDefinitionProvider', vscode.Uri.parse(uri), new vscode.Position(line, character));
+      return (found ?? []).map((l) => 'targetUri' in l
+        ? { uri: l.targetUri.toString(), line: l.targetRange.start.line }
+        : { uri: l.uri.toString(), line: l.range.start.line });
+    },
+    read: async (uri, line, lines) => {
+      const doc = await vscode.workspace.openTextDocument(vscode.Uri.parse(uri));
+      const end = Math.min(doc.lineCount, line + lines);
+      const text = Array.from({ length: Math.max(0, end - line) }, (_, i) => doc.lineAt(line + i).text).join('\n');
+      return { text, languageId: doc.languageId };
+    },
+  }, () => ({ max: settings.contextEnabled ? settings.contextDefinitions : 0, maxChars: settings.contextMaxChars }),
+  (uri) => !privacy.excludedPath(uri));
+  const workspaceOf = (uri: string) => vscode.workspace.getWorkspaceFolder(vscode.Uri.parse(uri))?.uri.toString();
   const prefetch = new Prefetcher(client, cache, (doc, cursor) => provider.params(doc, cursor));
   const provider: CompleterProvider = new CompleterProvider({
-    client, stats, settings: () => settings, privacy, cache, context: collector, prefetch, feedback,
+    client, stats, settings: () => settings, privacy, cache, context: collector, definitions, workspaceOf, prefetch, feedback,
     onFinish: (shown, how) => {
       feedback.finished(shown);
       stats.finished(shown, how);
@@ -89,7 +108,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
     model: client.server?.model.target,
   });
 
-  const editors = watchEditors({ provider, prefetch, context: collector, settings: () => settings });
+  const editors = watchEditors({ provider, prefetch, context: collector, definitions, settings: () => settings });
   client.on('state', (change: StateChange) => {
     connection = change;
     if (change.state === 'connected') {
@@ -193,7 +212,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
     client.start();
   }
   refresh();
-  return { client, provider, stats, status, cache, context: collector, tokens, settings: () => settings };
+  return { client, provider, stats, status, cache, context: collector, definitions, tokens, settings: () => settings };
 }
 
 export function deactivate(): void {

@@ -15,9 +15,13 @@ export interface DocumentState {
   suffix: string;
 }
 
+/** Where a context item came from; the server ranks definitions and recent edits a little ahead. */
+export type ContextKind = '' | 'open' | 'visited' | 'edit' | 'yank' | 'definition';
+
 export interface ContextItem {
   uri: string;
   text: string;
+  kind?: ContextKind;
 }
 
 /** A `complete` without its `type` and `id` (the client assigns the id). */
@@ -34,6 +38,8 @@ export interface CompleteParams {
   supersede?: boolean;
   /** How many completions (1..4); the others arrive as `done.candidates`. */
   n?: number;
+  /** The root folder URI of the workspace the document belongs to: the server keeps each one's files apart. */
+  workspace?: string;
 }
 
 export interface Timings {

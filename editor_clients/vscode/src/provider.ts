@@ -10,6 +10,7 @@ import type { CompletionCache, Place } from './cache';
 import { CompleteParams, CompleterClient, NotConnectedError, PendingCompletion } from './client';
 import type { Settings } from './config';
 import type { ContextCollector } from './context';
+import type { Definitions } from './definitions';
 import { AdaptiveDebounce } from './debounce';
 import type { FeedbackLedger } from './feedback';
 import type { DocumentText, Prefetcher, Speculation } from './prefetch';
@@ -74,6 +75,10 @@ export interface ProviderParts {
   privacy: PrivacyFilter;
   cache: CompletionCache;
   context: ContextCollector;
+  /** The definitions of what documents import (optional: tests may leave it out). */
+  definitions?: Definitions;
+  /** The workspace folder URI a document belongs to, if any. */
+  workspaceOf?: (uri: string) => string | undefined;
   prefetch: Prefetcher;
   feedback: FeedbackLedger;
   onFinish: (shown: Shown, how: FinishHow) => void;
@@ -163,9 +168,14 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     const line = lineOf(doc.text, cursor);
     const params: CompleteParams = {
       document: documentAt(doc.uri, doc.languageId, doc.text, cursor),
-      context: this.parts.context.forRequest(doc.uri, doc.languageId, line),
+      context: [...this.parts.context.forRequest(doc.uri, doc.languageId, line),
+        ...this.parts.definitions?.forRequest(doc.uri) ?? []].slice(0, 64), // the protocol's bound
       mode: modeAt(doc.text, cursor),
     };
+    const workspace = this.parts.workspaceOf?.(doc.uri);
+    if (workspace) {
+      params.workspace = workspace;
+    }
     if (settings.maxTokens > 0) {
       params.max_tokens = Math.round(settings.maxTokens);
     }

@@ -7,7 +7,7 @@
 
 import {
   CancellationTokenSource, Disposable, EventEmitter, FakeSecretStorage, InlineCompletionItem, InlineCompletionTriggerKind,
-  Listener, Selection, ThemeColor,
+  Listener, Selection, ThemeColor, Uri,
 } from './fake-basics';
 import { DocumentChange, FakeDocument, FakeEditor, nextLine, nextWord } from './fake-documents';
 
@@ -55,6 +55,10 @@ class FakeState {
   output: string[] = [];
   messages: { error: string[]; warning: string[]; info: string[] } = { error: [], warning: [], info: [] };
   editors: FakeEditor[] = [];
+  /** Workspace folders' URIs (a document belongs to the longest one its URI starts with). */
+  workspaceFolders: string[] = [];
+  /** Documents on "disk" that openTextDocument finds without an editor: URI -> language and text. */
+  files = new Map<string, { languageId: string; text: string }>();
   activeEditor: FakeEditor | undefined;
   ghost: Ghost | undefined;
   /** The provider call in flight, cancelled by the next edit. */
@@ -311,6 +315,22 @@ export const workspace = {
         return Promise.resolve();
       },
     };
+  },
+  getWorkspaceFolder(uri: Uri): { uri: Uri; name: string; index: number } | undefined {
+    const value = uri.toString();
+    const found = state.workspaceFolders.filter((f) => value.startsWith(f.endsWith('/') ? f : `${f}/`))
+      .sort((a, b) => b.length - a.length)[0];
+    return found === undefined ? undefined : { uri: Uri.parse(found), name: found, index: state.workspaceFolders.indexOf(found) };
+  },
+  /** An open document, or one of `fake.state.files` (opened without an editor, as VS Code does). */
+  openTextDocument(uri: Uri): Promise<FakeDocument> {
+    const open = state.editors.find((e) => e.document.uri.toString() === uri.toString());
+    const file = state.files.get(uri.toString());
+    if (open) {
+      return Promise.resolve(open.document);
+    }
+    return file ? Promise.resolve(new FakeDocument(uri.toString(), file.languageId, file.text))
+      : Promise.reject(new Error(`cannot open ${uri.toString()}`));
   },
   onDidChangeConfiguration: (l: Listener<any>) => state.onConfig.event(l),
   onDidChangeTextDocument: (l: Listener<any>) => state.onChange.event(l),

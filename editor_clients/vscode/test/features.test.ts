@@ -9,7 +9,7 @@ import assert from 'node:assert/strict';
 import { after, afterEach, before, describe, it } from 'node:test';
 
 import { SECRET_KEY } from '../src/secrets';
-import { fake, InlineCompletionTriggerKind } from './fake-vscode';
+import { fake, InlineCompletionTriggerKind, Position, Range, Uri } from './fake-vscode';
 import { Msg, Server, waitFor } from './server';
 import {
   activateAgain, closeSession, completes, feedbackFor, primes, Session, speculative, start as startOn, suggestion, wire,
@@ -86,6 +86,50 @@ describe('context', () => {
       const t = lastDone.timings as { prompt_tokens: number; cached_tokens: number };
       assert.ok(t.cached_tokens >= t.prompt_tokens / 2, `the context stayed cached: ${JSON.stringify(t)}`);
     }
+  });
+});
+
+describe('context kinds, workspace, definitions', () => {
+  it('items carry their kind, requests their workspace folder, and imported names\' definitions go along', async () => {
+    const s = await start({ 'completer.debounce.minMs': 0, 'completer.debounce.maxMs': 0 });
+    fake.state.workspaceFolders = ['file:///proj'];
+    fake.state.files.set('file:///proj/pkg/shapes.py', { languageId: 'python',
+      text: 'import math\n\n\ndef area_of_circle(radius):\n    return math.pi * radius * radius\n' });
+    fake.state.files.set('file:///proj/pkg/.env', { languageId: 'python', text: 'API_KEY = "sk-live-0123"\n' });
+    const lookups: string[] = [];
+    // The language server's part: VS Code's command asks it; here it answers from what it was told.
+    fake.state.commands.set('vscode.executeDefinitionProvider', (uri: { toString(): string }, pos: { line: number }) => {
+      lookups.push(`${uri.toString()}:${pos.line}`);
+      return [{ uri: Uri.parse(pos.line === 0 ? 'file:///proj/pkg/shapes.py' : 'file:///proj/pkg/.env'),
+        range: new Range(new Position(pos.line === 0 ? 3 : 0, 0), new Position(pos.line === 0 ? 3 : 0, 4)) }];
+    });
+    const helpers = fake.open('file:///proj/app/helpers.py', 'python', 'import os\n\n\ndef home():\n    return os.environ["HOME"]\n|\n');
+    fake.insertAtCursor(helpers, 'def cwd():\n    return os.getcwd()\n'); // an edit
+    const main = 'file:///proj/app/main.py';
+    fake.open(main, 'python', 'from pkg.shapes import area_of_circle\nfrom pkg.env import API_KEY\n\n\ndef report(r):\n    return |\n');
+    await waitFor(() => s.api.definitions.forRequest(main).length > 0, 'the definitions looked up');
+    const sentBefore = completes(s).length;
+    await typeSlowly('Zq9');
+    const sent = completes(s).slice(sentBefore);
+    assert.ok(sent.length >= 1);
+    for (const m of sent) {
+      assert.equal(m.workspace, 'file:///proj');
+      const context = m.context as { uri: string; text: string; kind: string }[];
+      assert.deepEqual(context.map((c) => [c.uri, c.kind]), [['file:///proj/app/helpers.py', 'edit'],
+        ['file:///proj/pkg/shapes.py', 'definition']], JSON.stringify(context));
+      assert.ok(context[1].text.startsWith('def area_of_circle(radius):'), context[1].text);
+    }
+    const ofMain = lookups.filter((l) => l.startsWith(main));
+    assert.deepEqual(ofMain, [`${main}:0`, `${main}:1`], 'one lookup per imported name, not one per keystroke');
+    assert.ok(!s.sent.some((m) => JSON.stringify(m).includes('sk-live')), 'the secret never left');
+    // The real server took the new fields: the request ended with `done`, not an error.
+    const lastDone = (await wire(s, sent.at(-1)?.id as string)).done;
+    assert.equal(lastDone.type, 'done', JSON.stringify(lastDone));
+    // A document outside every workspace folder names none.
+    fake.open('file:///elsewhere/x.py', 'python', 'y = |\n');
+    const before = completes(s).length;
+    await typeSlowly('Zq');
+    assert.ok(completes(s).slice(before).every((m) => m.workspace === undefined));
   });
 });
 

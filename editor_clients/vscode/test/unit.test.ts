@@ -11,6 +11,7 @@ import { describe, it } from 'node:test';
 import { CachedCompletion, CompletionCache } from '../src/cache';
 import { ContextCollector, ContextDocument } from '../src/context';
 import { AdaptiveDebounce } from '../src/debounce';
+import { Definitions, importPositions } from '../src/definitions';
 import { Liveness } from '../src/liveness';
 import { PrivacyFilter, uriPath } from '../src/privacy';
 import { codePoints, codePointsBetween } from '../src/protocol';
@@ -271,13 +272,46 @@ describe('ContextCollector', () => {
     collector.left(docA, 50);
     const main = doc('file:///main.py', lines('m', 10));
     const first = collector.forRequest(main.uri, 'python', 3);
-    assert.deepEqual(first.map((c) => c.uri), ['file:///a.py', 'file:///b.py']);
+    assert.deepEqual(first.map((c) => [c.uri, c.kind]), [['file:///a.py', 'edit'], ['file:///b.py', 'open']]);
     assert.ok(first[0].text.includes('a_50 = 5000') && first[0].text.length <= 60, first[0].text);
     for (let line = 3; line < 6; line++) { // typing in main.py, even over several lines
       collector.changed(main, line);
       a[51] = `changed later ${line}`; // a's live text moves on: the snapshot does not
       assert.deepEqual(collector.forRequest(main.uri, 'python', line), first);
     }
+  });
+});
+
+describe('Definitions', () => {
+  it('finds the names imports bind, aliases and parenthesized lists included', () => {
+    const text = 'import os.path\nfrom .models import Invoice as Inv, Line  # x\nfrom a import (\n    b,\n    c)\nx = 1\n';
+    assert.deepEqual(importPositions(text), [
+      { line: 0, character: 10 }, { line: 1, character: 20 }, { line: 1, character: 36 },
+      { line: 3, character: 4 }, { line: 4, character: 4 }]);
+  });
+
+  it('looks up in the background, once per set of imports; never reads an excluded file', async () => {
+    const asked: string[] = [];
+    const read: string[] = [];
+    const defs = new Definitions({
+      lookup: (_uri, line) => {
+        asked.push(String(line));
+        return Promise.resolve(line === 0 ? [{ uri: 'file:///p/shapes.py', line: 3 }] : [{ uri: 'file:///p/.env', line: 0 }]);
+      },
+      read: (uri, line) => {
+        read.push(uri);
+        return Promise.resolve({ text: `def area(r):  # ${uri}:${line}`, languageId: 'python' });
+      },
+    }, () => ({ max: 8, maxChars: 100 }), (uri) => !uri.endsWith('.env'));
+    const doc = { uri: 'file:///p/main.py', languageId: 'python', text: 'from shapes import area\nfrom env import KEY\n' };
+    assert.deepEqual(defs.forRequest(doc.uri), []); // nothing yet, and nothing waited for
+    await defs.refresh(doc);
+    assert.deepEqual(defs.forRequest(doc.uri), [{ uri: 'file:///p/shapes.py', text: 'def area(r):  # file:///p/shapes.py:3', kind: 'definition' }]);
+    assert.deepEqual(read, ['file:///p/shapes.py'], 'the .env file is never opened');
+    await defs.refresh({ ...doc, text: doc.text + 'x = 1\n' }); // imports unchanged: no lookup
+    assert.equal(asked.length, 2);
+    await defs.refresh({ ...doc, languageId: 'javascript' });
+    assert.equal(asked.length, 2, 'Python only');
   });
 });
 

@@ -40,6 +40,7 @@ M.defaults = {
     chunk_lines = 32, -- lines per snippet
     max_chars = 4000, -- characters of all snippets together
     buffers = 3, -- other loaded buffers of the same filetype that give a snippet each
+    definitions = 8, -- with a language server attached: the definitions of this many imported names (0: none)
   },
   hide_during_pum = true, -- no ghost text while a popup menu is open
   keymaps = { -- false disables one; each falls back to the key's previous mapping, or the key itself

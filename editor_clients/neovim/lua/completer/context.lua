@@ -1,7 +1,9 @@
 -- Snippets of other code sent with each request (`context`), chosen as
 -- llama.vim's ring buffer does: ranges the user recently edited, yanked, or
 -- left the cursor in, newest first, then the text around the cursor of other
--- loaded buffers of the same filetype.
+-- loaded buffers of the same filetype. Each item carries its `kind` (the
+-- server ranks recent edits a little ahead): "edit", "yank", "visited" (the
+-- cursor's lines of a buffer left), "open" (another loaded buffer).
 --
 -- The server puts the context first in the prompt, so a chunk that changes
 -- means re-prefilling everything after it. The list is therefore kept still
@@ -39,7 +41,7 @@ end
 
 --- The chunk of `buf` around lines [first, last) (0-based, end exclusive):
 --- those lines, widened or narrowed to chunk_lines around their middle.
-function C:chunk(buf, first, last)
+function C:chunk(buf, first, last, kind)
   local cc = self.cfg.context
   local n = api.nvim_buf_line_count(buf)
   local mid = math.floor((first + last) / 2)
@@ -47,7 +49,7 @@ function C:chunk(buf, first, last)
   last = math.min(n, first + cc.chunk_lines)
   local body = cap(table.concat(api.nvim_buf_get_lines(buf, first, last, false), '\n'),
     math.max(1, math.floor(cc.max_chars / 2)))
-  return { buf = buf, uri = text.uri(buf), first = first, last = last, text = body }
+  return { buf = buf, uri = text.uri(buf), first = first, last = last, text = body, kind = kind or '' }
 end
 
 local function overlaps(a, b)
@@ -57,9 +59,9 @@ end
 --- Put the chunk of `buf` around lines [first, last) into the ring (newest
 --- first). An identical chunk keeps its place, so revisiting a spot does not
 --- reorder the list; an older chunk of the same place is replaced.
-function C:pick(buf, first, last)
+function C:pick(buf, first, last, kind)
   if not self:enabled() or not api.nvim_buf_is_loaded(buf) or privacy.blocked(buf, self.cfg) then return end
-  local chunk = self:chunk(buf, first, last)
+  local chunk = self:chunk(buf, first, last, kind)
   if blank(chunk.text) then return end
   for _, c in ipairs(self.ring) do
     if c.uri == chunk.uri and c.text == chunk.text then return end
@@ -81,14 +83,14 @@ function C:pick_cursor(buf)
     row = api.nvim_buf_get_mark(buf, '"')[1] - 1
   end
   row = math.max(0, row)
-  self:pick(buf, row, row + 1)
+  self:pick(buf, row, row + 1, 'visited')
 end
 
---- The range the last change or yank touched ('[ and '] marks).
-function C:pick_changed(buf)
+--- The range the last change or yank touched ('[ and '] marks); `kind`: 'edit' or 'yank'.
+function C:pick_changed(buf, kind)
   local s, e = api.nvim_buf_get_mark(buf, '['), api.nvim_buf_get_mark(buf, ']')
   if s[1] == 0 or e[1] == 0 then return end
-  self:pick(buf, s[1] - 1, math.max(s[1], e[1]))
+  self:pick(buf, s[1] - 1, math.max(s[1], e[1]), kind)
 end
 
 --- Something the list depends on changed: the next request rebuilds it.
@@ -131,7 +133,7 @@ function C:items(buf, first, last)
       if overlaps(c, other) then return end
     end
     chosen[#chosen + 1] = c
-    items[#items + 1] = { uri = c.uri, text = c.text }
+    items[#items + 1] = { uri = c.uri, text = c.text, kind = c.kind }
     size = size + #c.text
   end
   for _, c in ipairs(self.ring) do add(c) end
@@ -140,7 +142,7 @@ function C:items(buf, first, last)
       if i > cc.buffers then break end
       if not privacy.blocked(b.buf, self.cfg) then
         local row = math.max(0, api.nvim_buf_get_mark(b.buf, '"')[1] - 1)
-        local c = self:chunk(b.buf, row, row + 1)
+        local c = self:chunk(b.buf, row, row + 1, 'open')
         if not blank(c.text) then add(c) end
       end
     end

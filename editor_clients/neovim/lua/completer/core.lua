@@ -157,16 +157,37 @@ end
 -- the server's cache, nothing comes back), 'spec' (a speculative request for
 -- the line Enter would open, kept for the cache). `doc_snap` is where the
 -- cursor is now; `snap` the state the completion is for (differs for 'spec').
+--- A request's `context`: the chunks picked, then the definitions of what
+--- the document imports (resolved in the background; never waited for).
+function M.context(buf, first, last)
+  local items = S.context:items(buf, first, last)
+  local defs = S.definitions:items(buf)
+  if #defs == 0 then return items end
+  local out, size = {}, 0
+  for _, c in ipairs(items) do
+    out[#out + 1] = c
+    size = size + #c.text
+  end
+  local limit = math.min(S.cfg.context.max_chunks + #defs, 64) -- the protocol's limit
+  for _, d in ipairs(defs) do
+    if #out >= limit or size + #d.text > 2 * S.cfg.context.max_chars then break end
+    out[#out + 1] = d
+    size = size + #d.text
+  end
+  return out
+end
+
 local function send(kind, doc_snap, snap, extra_prefix)
   local c = S.cfg
   local req = new_request(kind, snap)
   local doc, first, last = text.document(doc_snap.buf, doc_snap.row, doc_snap.col, c.max_lines)
   if extra_prefix then doc.prefix = doc.prefix .. extra_prefix end
-  local context = S.context:items(doc_snap.buf, first, last)
+  local context = M.context(doc_snap.buf, first, last)
   local msg = {
     type = 'complete', id = req.id, document = doc, mode = text.mode(c.mode, snap.before, snap.after),
     max_tokens = c.max_tokens, temperature = c.temperature, deadline_ms = c.deadline_ms,
     stop = (c.stop and #c.stop > 0) and c.stop or nil, context = #context > 0 and context or nil,
+    workspace = S.definitions.workspace(doc_snap.buf),
   }
   req.uri = doc.uri
   if kind == 'prime' then

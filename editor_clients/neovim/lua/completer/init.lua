@@ -12,6 +12,7 @@ local privacy = require('completer.privacy')
 local Client = require('completer.client')
 local Cache = require('completer.cache')
 local Context = require('completer.context')
+local Definitions = require('completer.definitions')
 local Debounce = require('completer.debounce')
 local api, uv = vim.api, vim.loop
 
@@ -125,8 +126,10 @@ function M.context(buf)
   buf = buf or api.nvim_get_current_buf()
   local n = api.nvim_buf_line_count(buf)
   local row = buf == api.nvim_get_current_buf() and api.nvim_win_get_cursor(0)[1] - 1 or 0
-  return S.context:items(buf, require('completer.text').window(row, n, S.cfg.max_lines))
+  return core.context(buf, require('completer.text').window(row, n, S.cfg.max_lines))
 end
+--- The `workspace` the next request in `buf` would carry.
+function M.workspace(buf) return S.definitions.workspace(buf or api.nvim_get_current_buf()) end
 --- Why `buf` is not completed (a short reason), or nil when it is.
 function M.blocked(buf) return S.cfg and privacy.blocked(buf or api.nvim_get_current_buf(), S.cfg) end
 --- The options in force (after setup()).
@@ -144,22 +147,30 @@ local function autocmds()
   au({ 'TextChangedI', 'TextChangedP', 'CursorMovedI' }, function() core.on_edit(false) end)
   au('InsertLeave', function(ev)
     core.on_leave()
-    S.context:pick_changed(ev.buf)
+    S.context:pick_changed(ev.buf, 'edit')
+    S.definitions:refresh(ev.buf)
   end)
   au('BufLeave', function(ev)
     core.on_leave()
     S.context:pick_cursor(ev.buf)
   end)
   au('TextYankPost', function(ev)
-    if vim.v.event.operator == 'y' then S.context:pick_changed(ev.buf) end
+    if vim.v.event.operator == 'y' then S.context:pick_changed(ev.buf, 'yank') end
   end)
   au({ 'BufEnter', 'BufWinEnter' }, function(ev)
     S.context:changed()
     -- After the other BufEnter handlers (filetype, cursor restore) are done.
-    vim.schedule(function() core.prime(ev.buf) end)
+    vim.schedule(function()
+      core.prime(ev.buf)
+      S.definitions:refresh(ev.buf)
+    end)
   end)
+  if vim.fn.exists('##LspAttach') == 1 then -- 0.8+: a language server that starts late still counts
+    au('LspAttach', function(ev) vim.schedule(function() S.definitions:refresh(ev.buf) end) end)
+  end
   au({ 'BufDelete', 'BufWipeout', 'FileType' }, function(ev)
     S.primed[ev.buf] = nil
+    S.definitions:forget(ev.buf)
     S.context:changed()
   end)
   au('CompleteChanged', function()
@@ -194,6 +205,7 @@ function M.setup(opts)
   S.debounce = Debounce.new(cfg.debounce_min_ms, cfg.debounce_max_ms)
   S.cache = Cache.new(cfg.cache_size)
   S.context = Context.new(cfg)
+  S.definitions = Definitions.new(cfg)
   S.primed = {}
   S.client = Client.new(cfg, {
     on_message = replies.on_message, on_disconnect = replies.on_disconnect,
