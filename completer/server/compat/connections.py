@@ -31,6 +31,7 @@ import time
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 Phase = str  # "idle", "headers", "busy"
 
@@ -159,6 +160,21 @@ class ConnectionGuard:
             self.sweeper.cancel()
 
 
+class JsonErrors(RequestHandler):
+    """aiohttp's protocol, its own answers to what it cannot parse (no Host,
+    a header over 8 KB, a broken start line) in the routes' JSON envelope
+    rather than plain text, like every other error on these routes."""
+
+    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        response = super().handle_error(request, status, exc, message)  # logs, refuses a half-sent answer
+        json_error = web.Response(status=status, content_type="application/json", text=json.dumps(
+            {"error": {"code": status, "message": (message or "").strip() or str(status),
+                       "type": "invalid_request_error" if status < 500 else "server_error"}}))
+        json_error.force_close()
+        del response
+        return json_error
+
+
 class GuardedSite(web.TCPSite):
     """aiohttp's TCP site with each connection's protocol wrapped by `guard`."""
 
@@ -168,7 +184,8 @@ class GuardedSite(web.TCPSite):
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registered with the runner, which stops it at cleanup
-        self.guard.handler_factory = self._runner.server
+        server = self._runner.server  # aiohttp's web.Server: what it would build, as JsonErrors
+        self.guard.handler_factory = lambda: JsonErrors(server, loop=server._loop, **server._kwargs)
         self._server = await asyncio.get_running_loop().create_server(
             self.guard, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
