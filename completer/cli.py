@@ -231,7 +231,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(cached_path())
         return 0
     try:
-        print(pull(DEFAULT_TARGET))
+        print(pull(DEFAULT_TARGET, verify=True))  # hashed: the command a user runs when in doubt
     except ModelFetchError as e:
         raise SystemExit(f"error: {e}") from None
     return 0

@@ -79,6 +79,11 @@ class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # llama.vim's and llama.vscode's default endpoint is http://127.0.0.1:8012: their users change nothing.
     port: int = 8012
     max_inflight: int = 32  # requests in flight on these routes together; more get 429
+    # Slow or idle clients (server/compat/connections.py): each holds a socket and a file descriptor.
+    max_connections: int = 128  # open at once; past it the longest-idle one not busy is closed
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header line
+    body_timeout_s: float = 30.0  # to read a request's whole body
+    idle_timeout_s: float = 60.0  # a connection with no request in it (keep-alive, or never used)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -214,6 +219,13 @@ def problems(config: Config) -> list[ConfigProblem]:
     if c.max_inflight < 1:
         found.append(ConfigProblem(("compat.max_inflight",), f"compat.max_inflight = {c.max_inflight}: "
                                    "must be at least 1"))
+    if c.max_connections < 1:
+        found.append(ConfigProblem(("compat.max_connections",), f"compat.max_connections = {c.max_connections}: "
+                                   "must be at least 1"))
+    for key in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+        if not (getattr(c, key) > 0 and math.isfinite(getattr(c, key))):
+            found.append(ConfigProblem((f"compat.{key}",), f"compat.{key} = {getattr(c, key)}: "
+                                       "must be a positive number of seconds"))
     if c.enabled and c.port and c.port == s.port and (c.host or s.host) == s.host:
         found.append(ConfigProblem(("compat.port", "server.port"), f"compat.port = {c.port} is server.port: "
                                    "the compatible routes need a port of their own"))

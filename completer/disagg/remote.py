@@ -27,7 +27,8 @@ from completer.disagg.config import DisaggConfig
 from completer.disagg.decision import Decision, Estimates, PoolState, decide
 from completer.disagg.messages import (PROTOCOL, Abort, Aborted, Done, Failed, Group, Heartbeat, Hello, Job,
                                        ModelShape, Welcome)
-from completer.disagg.transport import FrameChannel, KVPair, open_store
+from completer.disagg.link_store import LinkStore
+from completer.disagg.transport import FrameChannel, KVPair
 from completer.engine.paged_kv import KVPool
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class WorkerLink:
         self.jobs: dict[int, TransferJob] = {}
         self.channel: FrameChannel | None = None
         self.pair: KVPair | None = None
+        self.store: LinkStore | None = None
         self.last_heard = 0.0
         self.retry_at = 0.0
         self.backoff = 0.25
@@ -94,18 +96,21 @@ class WorkerLink:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=r.config.timeout_s)
         channel = FrameChannel.to_worker(sock)
         self.generation += 1
+        store = None
         try:
             local = sock.getsockname()[0]
-            store = open_store(local)
-            channel.send(Hello(r.token, PROTOCOL, r.shape, local, store.port, self.generation))
+            store = LinkStore(local)  # on the address the worker reaches this side by, and no other
+            channel.send(Hello(r.token, PROTOCOL, r.shape, local, store.port, self.generation, store.secret))
             welcome = channel.recv()
             if not isinstance(welcome, Welcome) or welcome.error:
                 raise ConnectionRefusedError(getattr(welcome, "error", "") or f"unexpected {welcome!r}")
-            pair = KVPair(store, self.generation, KVPair.DECODE, local, r.config.timeout_s, r.device)
+            pair = KVPair(store.store, self.generation, KVPair.DECODE, local, r.config.timeout_s, r.device)
             if welcome.tokens_s > 0:
                 self.tokens_s = welcome.tokens_s
         except BaseException:
             channel.close()
+            if store is not None:
+                store.close()
             raise
         sock.settimeout(None)
         with self.lock:
@@ -126,13 +131,14 @@ class WorkerLink:
                 return
             self.up = False
             jobs, self.jobs = list(self.jobs.values()), {}
-            channel, pair = self.channel, self.pair
+            channel, pair, store = self.channel, self.pair, self.store
             self.retry_at = time.monotonic() + self.backoff
             self.backoff = min(self.backoff * 2, self.remote.config.retry_max_s)
         log.log(level, "prefill worker %s is down (%s); %d job(s) lost, retrying in %.1f s",
                 self.address, why, len(jobs), self.retry_at - time.monotonic())
         channel.close()
         pair.close()
+        store.close()
         for job in jobs:
             self.remote.closed(job, "lost", why=f"prefill worker {self.address}: {why}",
                                mid_transfer=job.groups > 0)

@@ -18,8 +18,9 @@ import threading
 
 import msgspec
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
+from completer.disagg.link_store import RemoteStore
 from completer.disagg.messages import ToDecode, ToWorker
 
 MAX_FRAME = 64 * 2**20  # a Job holds a prompt's tokens; Done the logits (~200 KB)
@@ -85,19 +86,15 @@ class FrameChannel:
         self.sock.close()
 
 
-def open_store(host: str) -> TCPStore:
-    """The decode side's rendezvous store, on a free port of `host`."""
-    return TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-
-
 class KVPair:
     """Rank 0 is the decode engine, rank 1 the worker."""
 
     DECODE, WORKER = 0, 1
 
-    def __init__(self, store: TCPStore, generation: int, rank: int, local_host: str, timeout_s: float,
+    def __init__(self, store: Store, generation: int, rank: int, local_host: str, timeout_s: float,
                  device: torch.device = torch.device("cpu")):
         self.rank = rank
+        self.store = store  # kept: NCCL meets its peer there at the first transfer, not here
         self.peer = 1 - rank
         store = PrefixStore(f"kv-pair-{generation}", store)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -115,11 +112,16 @@ class KVPair:
         self.group = ProcessGroupGloo(store, rank, 2, opts)
 
     @classmethod
-    def join(cls, store_host: str, store_port: int, generation: int, local_host: str, timeout_s: float,
-             device: torch.device) -> "KVPair":
-        """The worker's end: meets the decode side in its store."""
-        store = TCPStore(store_host, store_port, is_master=False, timeout=datetime.timedelta(seconds=10))
-        return cls(store, generation, cls.WORKER, local_host, timeout_s, device)
+    def join(cls, store_host: str, store_port: int, secret: bytes, generation: int, local_host: str,
+             timeout_s: float, device: torch.device) -> "KVPair":
+        """The worker's end: meets the decode side in its store (`link_store`),
+        admitted by the link's secret."""
+        store = RemoteStore(store_host, store_port, secret)
+        try:
+            return cls(store, generation, cls.WORKER, local_host, timeout_s, device)
+        except BaseException:
+            store.close()
+            raise
 
     def send(self, tensor: torch.Tensor, tag: int):
         """Starts the send; returns its work (wait() on it before reusing `tensor`)."""
@@ -134,3 +136,5 @@ class KVPair:
             self.group.abort()
         except Exception:  # already broken: nothing more to release
             pass
+        if isinstance(self.store, RemoteStore):
+            self.store.close()

@@ -126,7 +126,8 @@ class PrefillWorker:
                 log.warning("prefill worker: refused %s: %s", name, problem)
                 channel.close()
                 return
-            pair = KVPair.join(hello.store_host, hello.store_port, hello.generation, conn.getsockname()[0],
+            pair = KVPair.join(hello.store_host, hello.store_port, hello.store_secret, hello.generation,
+                               conn.getsockname()[0],
                                self.timeout_s, self.pool.device)
         except Exception as e:
             log.warning("prefill worker: %s: cannot set up the K/V pair: %s", name, e)

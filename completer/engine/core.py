@@ -220,13 +220,19 @@ class EngineCore:
         work nobody will see. Only all of them: a pass is never half-given-up."""
         return self.cancelled is not None and self.cancelled([s.id for s in self.scheduler.running])
 
+    def take_closed_jobs(self) -> None:
+        """The prefill jobs that closed: their sequences decode, prefill here or
+        fail, and the blocks of those whose requests ended first return."""
+        if self.disagg is None:
+            return
+        ready, lost = self.disagg.poll()
+        for seq in ready:
+            self._start_decoding(seq)
+        for seq in lost:
+            self._drop(seq)
+
     def _step(self) -> list[Event]:
-        if self.disagg is not None:
-            ready, lost = self.disagg.poll()
-            for seq in ready:
-                self._start_decoding(seq)
-            for seq in lost:
-                self._drop(seq)
+        self.take_closed_jobs()
         plan = self.scheduler.schedule(time.perf_counter())
         for seq in plan.expired:
             self._finish(seq, "deadline")

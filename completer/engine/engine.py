@@ -148,8 +148,13 @@ class Engine:
         return engine
 
     def _wake(self) -> None:
-        """From a link thread: a worker job closed; step to take it in."""
+        """From a link thread: a worker job closed. An op in the inbox, not a
+        bare notify: with no request left (all ended at their deadlines, their
+        blocks handed to the jobs) the loop waits for the inbox alone, and the
+        blocks would stay held until some unrelated request arrived."""
         with self._cond:
+            if ("jobs", None) not in self._inbox:  # one poll takes in every job closed meanwhile
+                self._inbox.append(("jobs", None))
             self._cond.notify()
 
     def start(self) -> None:
@@ -266,6 +271,9 @@ class Engine:
             for op, arg in inbox:
                 if op == "cancel":
                     core.abort(arg)
+                    continue
+                if op == "jobs":
+                    core.take_closed_jobs()
                     continue
                 request, submitted = arg
                 try:

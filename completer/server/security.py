@@ -123,7 +123,16 @@ def token_matches(expected: str, authorization: str | None, path: str) -> bool:
         offered = authorization[7:].strip()
     else:
         offered = (parse_qs(urlsplit(path).query).get("token") or [""])[0]
-    return bool(offered) and hmac.compare_digest(offered.encode(), expected.encode())
+    return bool(offered) and same_secret(offered, expected)
+
+
+def same_secret(offered: str, expected: str) -> bool:
+    """Constant-time equality. Header values reach here decoded with
+    surrogateescape (aiohttp, websockets), so a non-ASCII byte is a lone
+    surrogate that plain UTF-8 cannot encode: encoded the same way, it is
+    just another wrong key, not an exception (a 500)."""
+    return hmac.compare_digest(offered.encode("utf-8", "surrogateescape"),
+                               expected.encode("utf-8", "surrogateescape"))
 
 
 def api_key_matches(expected: str, authorization: str | None, *api_keys: str | None) -> bool:
@@ -138,7 +147,7 @@ def api_key_matches(expected: str, authorization: str | None, *api_keys: str | N
         if value[:6].lower() == "bearer" and (len(value) == 6 or value[6].isspace()):
             value = value[6:].strip()
         offered.append(value)
-    return any(key and hmac.compare_digest(key.encode(), expected.encode()) for key in offered)
+    return any(key and same_secret(key, expected) for key in offered)
 
 
 def origin_allowed(origin: str | None, host_header: str | None, scheme: str,

@@ -32,7 +32,7 @@ from completer.document import DocumentPrompt
 from completer.engine.request import EngineError, Request, Timings
 from completer.pipeline import RequestOptions
 from completer.protocol import MAX_TEMPERATURE, ContextItem, Document
-from completer.server.compat.wire import HttpError
+from completer.server.compat.wire import CONNECTIONS, HttpError
 
 if TYPE_CHECKING:
     from completer.server.app import App
@@ -116,8 +116,23 @@ class CompatEngine:
         return self.app.config.server.max_frame_bytes
 
     @property
+    def body_timeout_s(self) -> float:
+        return self.app.config.compat.body_timeout_s
+
+    @property
     def model_name(self) -> str:
         return self.app.target.name
+
+    def client_of(self, request, slot: object) -> str:
+        """Who sent `request`, for its document state, its cache salt and a
+        cluster's affinity: its address and `slot`; under
+        server.prefix_cache_scope = "connection", its TCP connection instead
+        (every local process is 127.0.0.1 and llama.vim sends no id_slot, so
+        the address would let one process read another's cache in cache_n)."""
+        if self.app.config.server.prefix_cache_scope == "connection":
+            conn = request.app[CONNECTIONS].of(request)
+            return f"connection {conn.serial if conn is not None else id(request)}/{slot}"
+        return f"{request.remote}/{slot}"
 
     def check_ready(self) -> None:
         if self.app.engine is None:

@@ -18,6 +18,7 @@ and with it its engine request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import sys
 from typing import TYPE_CHECKING
@@ -26,11 +27,18 @@ from aiohttp import web
 
 from completer.server import security
 from completer.server.compat import llama_api, openai_api
+from completer.server.compat.connections import ConnectionGuard, GuardedSite
 from completer.server.compat.generation import CompatEngine
-from completer.server.compat.wire import ENGINE, HttpError, error_response
+from completer.server.compat.wire import CONNECTIONS, ENGINE, HttpError, error_response
 
 if TYPE_CHECKING:
     from completer.server.app import App
+
+log = logging.getLogger(__name__)
+# aiohttp logs each malformed request with its traceback (and answers it 400): a log any client
+# could flood. Only what aiohttp itself deems critical is kept.
+PARSER_LOG = logging.getLogger(__name__ + ".parser")
+PARSER_LOG.setLevel(logging.CRITICAL)
 
 ROUTES = [
     ("POST", "/infill", llama_api.infill, "infill"),
@@ -57,6 +65,8 @@ class CompatServer:
         self.host = app.config.compat.host or app.config.server.host
         self.scheme = "http"
         self.runner: web.AppRunner | None = None
+        c = app.config.compat
+        self.connections = ConnectionGuard(lambda: None, c.max_connections, c.header_timeout_s, c.idle_timeout_s)
         self.port: int | None = None  # once listening
 
     async def start(self, tls: ssl.SSLContext | None, grace_s: float) -> int | None:
@@ -70,14 +80,15 @@ class CompatServer:
                   file=sys.stderr)
         application = web.Application(middlewares=[self.guard], client_max_size=self.engine.body_limit)
         application[ENGINE] = self.engine
+        application[CONNECTIONS] = self.connections
         application.on_response_prepare.append(self.allow_origin)
         for method, path, handler, _ in ROUTES:
             application.router.add_route(method, path, handler)
         self.runner = web.AppRunner(application, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=grace_s)
+                                    shutdown_timeout=grace_s, logger=PARSER_LOG)
         await self.runner.setup()
         try:
-            await web.TCPSite(self.runner, self.host, c.port, ssl_context=tls).start()
+            await GuardedSite(self.runner, self.host, c.port, self.connections, ssl_context=tls).start()
         except OSError as e:
             await self.runner.cleanup()
             self.runner = None
@@ -115,6 +126,7 @@ class CompatServer:
     @web.middleware
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
         route = ROUTE_LABELS.get(request.path, "other")
+        connection = self.connections.busy(request)
         try:
             self.check(request)
             if request.method == "OPTIONS":  # a CORS preflight from an allowed origin
@@ -131,6 +143,11 @@ class CompatServer:
             if isinstance(e, asyncio.CancelledError):
                 raise
             return web.Response(status=499)
+        except Exception as e:  # a bug: the envelope still, never aiohttp's plain-text 500
+            log.exception("compat: %s %s failed", request.method, request.path)
+            response = error_response(500, f"internal error ({type(e).__name__})")
+        finally:
+            self.connections.done(connection)
         self.app.metrics.count_route(route, str(response.status))
         return response
 

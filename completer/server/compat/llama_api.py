@@ -29,7 +29,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     `prompt` right after the prefix), input_suffix the text after it, and
     each input_extra chunk a context snippet named by its filename."""
     engine = request.app[ENGINE]
-    body = await read_body(request, InfillRequest, engine.body_limit)
+    body = await read_body(request, InfillRequest, engine.body_limit, engine.body_timeout_s)
     received = time.perf_counter()
     document = Document(uri="", prefix=body.input_prefix + body.prompt, suffix=body.input_suffix)
     context = [ContextItem(uri=c.filename, text=c.text) for c in body.input_extra]
@@ -40,7 +40,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     """`prompt` is read back into a document (raw_prompt): a FIM template
     the client filled in, or plain text to continue."""
     engine = request.app[ENGINE]
-    body = await read_body(request, CompletionRequest, engine.body_limit)
+    body = await read_body(request, CompletionRequest, engine.body_limit, engine.body_timeout_s)
     received = time.perf_counter()
     before, prefix, suffix = split_prompt(body.prompt)
     context = [ContextItem(uri="", text=before)] if before.strip() else []
@@ -65,7 +65,7 @@ async def answer(request: web.Request, engine: CompatEngine, route: str, body: L
     options = options_of(body)
     if body.stream and options.n > 1:
         raise HttpError(400, "n_cmpl > 1 is not supported with stream", "n_cmpl")
-    client = f"{request.remote}/{body.id_slot}"
+    client = engine.client_of(request, body.id_slot)
     engine_request, truncated = engine.prepare(client, document, context, options, received)
     budget = Budget(max(0, body.n_indent), body.t_max_predict_ms)
     slot = max(0, body.id_slot)

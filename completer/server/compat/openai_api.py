@@ -57,11 +57,11 @@ def options_of(body: CompletionsRequest) -> RequestOptions:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = await read_body(request, CompletionsRequest, engine.body_limit)
+    body = await read_body(request, CompletionsRequest, engine.body_limit, engine.body_timeout_s)
     received = time.perf_counter()
     context, document = document_of(body)
     options = options_of(body)
-    client = f"{request.remote}/openai"
+    client = engine.client_of(request, "openai")
     engine_request, truncated = engine.prepare(client, document, context, options, received)
     head = Completion(id=f"cmpl-{engine_request.id}", created=int(time.time()), model=body.model or engine.model_name,
                       choices=[])

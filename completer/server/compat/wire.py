@@ -4,6 +4,7 @@ bodies decoded into their Structs, and server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 import msgspec
@@ -13,10 +14,11 @@ from completer.server.compat.shapes import ErrorBody, ErrorEnvelope
 
 T = TypeVar("T")
 ENGINE = web.AppKey("completer_compat_engine")  # the CompatEngine, for the handlers
+CONNECTIONS = web.AppKey("completer_compat_connections")  # the ConnectionGuard: who is on which connection
 
 # llama.cpp's types for its statuses (OpenAI's where llama.cpp has none).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 501: "not_supported_error",
                503: "unavailable_error"}
 JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store"}
@@ -43,23 +45,30 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
     return json_response(error_envelope(status, message, param), status)
 
 
-async def read_body(request: web.Request, kind: type[T], limit: int) -> T:
+async def read_body(request: web.Request, kind: type[T], limit: int, timeout_s: float) -> T:
     """The body as a `kind`; 413 past `limit` bytes (told by Content-Length
-    before anything is read), 400 naming the field that does not fit."""
+    before anything is read), 408 if it has not all come within
+    `timeout_s` (a byte at a time would hold the connection for ever), 400
+    naming the field that does not fit."""
     length = request.content_length
     too_large = f"the request body is over {limit} bytes (server.max_frame_bytes)"
     if length is not None and length > limit:
         raise HttpError(413, too_large)
     try:
-        raw = await request.read()  # the application's client_max_size is `limit`
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # the application's client_max_size is `limit`
     except web.HTTPRequestEntityTooLarge:
         raise HttpError(413, too_large) from None
+    except TimeoutError:
+        raise HttpError(408, f"the request body took over {timeout_s:g} s (compat.body_timeout_s)") from None
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:  # "Expected `str`, got `int` - at `$.input_extra[0].text`"
         raise HttpError(400, str(e)) from None
     except msgspec.DecodeError as e:
         raise HttpError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec's depth is the C stack's: an unknown member nested past it
+        raise HttpError(400, "the body nests arrays or objects too deeply to read") from None
 
 
 class EventStream:
