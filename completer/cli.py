@@ -249,7 +249,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return evaluate_main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag (tests parse the README's commands with it)."""
     parser = argparse.ArgumentParser(prog="completer", description="low-latency code completion")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -328,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_evaluate)
 
     train_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

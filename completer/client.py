@@ -75,7 +75,7 @@ def complete_when_ready(url: str, token: str, wait_s: float, *request) -> dict:
             time.sleep(1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m completer.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cursor", help="FILE:LINE:COL (1-based)")
@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the request's deadline (default 60 s: a one-shot races no keystroke)")
     p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for a server that is still loading its models (default 600)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     path, line, col = split_cursor(args.cursor)
     prefix, suffix = document_at(path, line, col)
     token = args.token or os.environ.get("COMPLETER_TOKEN")
