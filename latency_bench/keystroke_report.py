@@ -131,7 +131,8 @@ def plots(result: dict, assets: Path) -> list[Path]:
             if ttft:
                 ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name,
                         linestyle="--" if row["kind"] != "completer" else "-")
-        ax.set_xscale("log")
+        if ax.lines:  # a run that answered nothing in time (a loaded machine) plots empty, not log-scaled
+            ax.set_xscale("log")
         ax.set_title(f"{n} editor{'s' if n != '1' else ''}")
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("share of keystrokes answered within")
@@ -147,8 +148,9 @@ def plots(result: dict, assets: Path) -> list[Path]:
         xs = [int(n) for n in editors if row["runs"].get(n, {}).get("ttft_p99_ms")]
         ax.plot(xs, [row["runs"][str(x)]["ttft_p99_ms"] for x in xs], marker="o", label=name,
                 linestyle="--" if row["kind"] != "completer" else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if ax.lines and any(line.get_xdata().size for line in ax.lines):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
     ax.set_xlabel("editors typing at once")
     ax.set_ylabel("p99 TTFT (ms)")
     ax.grid(alpha=0.3)
