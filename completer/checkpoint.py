@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
-from completer.gguf_checkpoint import GgufFile
+from completer.gguf_checkpoint import GgufFile, open_gguf
 from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
@@ -113,9 +113,7 @@ def resolve_precision(precision: str, device: str | torch.device = "cpu", source
     if torch.device(device).type == "cuda":
         return "bf16"
     if source is not None and is_gguf(Path(source)) and Path(source).is_file():
-        from completer.gguf_checkpoint import GgufFile
-
-        if GgufFile(source).layer_weights_type() == "Q4_1":
+        if open_gguf(source).layer_weights_type() == "Q4_1":
             return "int4"
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
 
@@ -135,7 +133,7 @@ def load_checkpoint(path: str | Path, precision: str = "fp32", device: str | tor
     """The model and tokenizer of an HF directory or a GGUF file."""
     path = Path(path)
     if is_gguf(path):
-        gguf = GgufFile(path)
+        gguf = open_gguf(path)
         return _load_gguf(gguf, precision, device, fuse), gguf.tokenizer()
     return load_model(path, precision, device, target, fuse), load_tokenizer(path)
 
@@ -149,7 +147,7 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
     for. `fuse`: q/k/v and gate/up as one projection each (serving)."""
     path = Path(path)
     if is_gguf(path):
-        return _load_gguf(GgufFile(path), precision, device, fuse)
+        return _load_gguf(open_gguf(path), precision, device, fuse)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
     cfg = parse_config(path / "config.json")
@@ -267,7 +265,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
 def load_tokenizer(directory: str | Path) -> TextTokenizer:
     """`tokenizer.json` of a checkpoint directory, or the vocabulary of a GGUF file."""
     if is_gguf(Path(directory)):
-        return GgufFile(directory).tokenizer()
+        return open_gguf(directory).tokenizer()
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")

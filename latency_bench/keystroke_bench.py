@@ -202,7 +202,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from completer.checkpoint import resolve_precision
-    precision = resolve_precision("auto", source=pull() if args.model == "default" else None)
+    from completer.loading import model_name
+    from completer.model_store import resolve_target
+    served = resolve_target(args.model)  # what `auto` picks for the model served, not for the default one
+    precision = resolve_precision("auto", source=served)
     if any(r in LLAMA_ROWS for r in args.rows):
         llama_peer.server_binary()  # fail now, not after the completer rows
     corpus, files = corpus_files(args.corpus)
@@ -210,6 +213,7 @@ def main() -> None:
     assets.mkdir(parents=True, exist_ok=True)
     result = {"date": now(), "machine": msgspec.to_builtins(machine()), "command": sys.argv,
               "corpus": corpus, "seconds": args.seconds, "editors": args.editors, "precision": precision,
+              "model": args.model, "model_name": model_name(served),
               "context_tokens": CONTEXT_TOKENS, "rows": {}}
     started = time.perf_counter()
     with Progress(transient=True) as progress:

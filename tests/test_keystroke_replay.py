@@ -1,7 +1,11 @@
 """The keystroke replay (latency_bench/keystrokes.py, replay.py,
 keystroke_bench.py): traces type real code back; two editors replayed for a
 few seconds against the real server get every keystroke answered once; the
-matrix command runs end to end and a switched-off prefix cache shows."""
+matrix command runs end to end, a switched-off prefix cache shows and its
+report describes the run. A replay is timed typing: how much of it completes
+depends on the machine's speed (under load, most keystrokes are superseded
+before they compute anything), so the prefix cache's share is asserted on
+keystrokes sent one after another instead, each awaited."""
 
 import asyncio
 import json
@@ -11,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from server_harness import ROOT, TOKEN, running_server
+from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
 
 sys.path.insert(0, str(ROOT / "latency_bench"))
 from keystrokes import EditorState, corpus_files, make_trace  # noqa: E402
@@ -51,24 +55,58 @@ def test_two_editors_replayed_against_the_server_get_every_keystroke_answered_on
     assert summary["keystrokes"] >= 40 and {s.editor for s in samples} == {0, 1}
     assert summary["errors"] == 0, summary["outcomes"]
     assert all(s.outcome.startswith("done:") for s in samples), summary["outcomes"]
-    assert summary["completed"] > 0 and summary["ttft_p50_ms"] is not None
-    assert summary["cached_share"] > 0.5  # each keystroke's prompt is mostly the one before
+    # How many finish before the next key depends on the machine's speed: not asserted here (the
+    # benchmark measures it; the test below, keystrokes one after another, asserts completions).
     shown = [line for line in metrics.splitlines() if line.startswith("completer_feedback_shown_chars_total")]
     assert summary["shown"] == 0 or float(shown[0].split()[-1]) > 0  # feedback reached the server
 
 
+def test_keystrokes_typed_one_after_another_find_most_of_their_prompt_cached(files):
+    """A trace's keys, each sent once the one before is answered (no timing
+    in it): each prompt is mostly the one before it, so most of its tokens
+    come from the prefix cache."""
+    trace = make_trace(files, seed=3, editor=0, keys=80)
+    state = EditorState(trace)
+
+    async def typed():
+        cached = prompt = 0
+        async with connect(server) as ws:
+            for n, key in enumerate(trace.keys):
+                prefix, suffix = state.press(key)
+                uri = trace.documents[key.doc].uri
+                await ws.send(complete_msg(str(n), prefix, suffix, uri=uri, deadline_ms=60000))
+                _, done = await collect(ws, str(n))
+                assert done["type"] == "done" and done["reason"] != "deadline", done
+                cached += done["timings"]["cached_tokens"]
+                prompt += done["timings"]["prompt_tokens"]
+        return cached / prompt
+
+    with running_server() as server:
+        share = asyncio.run(typed())
+    assert share > 0.5, share
+
+
 def test_the_matrix_command_runs_its_rows_and_writes_the_report(tmp_path):
     out = tmp_path / "k.json"
-    subprocess.run([sys.executable, str(ROOT / "latency_bench/keystroke_bench.py"), "--model", "embedded",
-                    "--rows", "all_on", "no_prefix_cache", "--editors", "1", "2", "--seconds", "4",
-                    "--out", str(out), "--no-docs"], check=True, cwd=ROOT, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "latency_bench/keystroke_bench.py"), "--model", "embedded",
+                           "--rows", "all_on", "no_prefix_cache", "--editors", "1", "2", "--seconds", "4",
+                           "--out", str(out), "--no-docs"], check=True, cwd=ROOT, timeout=600,
+                          capture_output=True, text=True)
     result = json.loads(out.read_text())
     on, off = result["rows"]["all_on"]["runs"], result["rows"]["no_prefix_cache"]["runs"]
     assert set(on) == set(off) == {"1", "2"}
     for n in ("1", "2"):
         assert on[n]["errors"] == off[n]["errors"] == 0
-        assert on[n]["cached_share"] > 0.5 and off[n]["cached_share"] == 0
-    assert (out.with_suffix("") / "ttft_cdf.png").stat().st_size > 10_000
-    assert (out.with_suffix("") / "p99_vs_editors.png").stat().st_size > 10_000
+        assert off[n]["cached_share"] in (0, None)  # None: nothing computed in time (a loaded machine)
+    # The report describes this run: the embedded model at what `auto` picks for it, no llama.cpp rows.
+    from completer.checkpoint import resolve_precision
+    from completer.model_store import EMBEDDED_TARGET
+
+    assert result["precision"] == resolve_precision("auto", "cpu", EMBEDDED_TARGET)
+    report = done.stdout
+    assert "completer-embedded-target" in report and f"precision {result['precision']}" in report
+    assert "Default model" not in report and "same weights" not in report and "llama.cpp's:" not in report
+    for plot in ("ttft_cdf.png", "p99_vs_editors.png"):  # empty when nothing was answered in time (under load)
+        assert (out.with_suffix("") / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if (out.with_suffix("") / "dashboard.png").exists():
         assert (out.with_suffix("") / "dashboard.png").stat().st_size > 10_000

@@ -147,13 +147,21 @@ class EngineCore:
             self._finish(candidate, "cancelled")
 
     @property
+    def releasing(self) -> bool:
+        """Blocks of ended requests still held by their aborted jobs: a step must
+        take in the jobs' close to free them, even with nothing else to do
+        (else the last cancel mid-transfer held its blocks until the next
+        request came: found by test_disagg at 100 requests, issue #32)."""
+        return self.disagg is not None and bool(self.disagg.held_by_jobs)
+
+    @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.releasing
 
     @property
     def only_transfers(self) -> bool:
-        """Nothing to compute until a worker's K/V arrives (or a deadline passes)."""
-        return self.scheduler.only_transfers
+        """Nothing to compute until a worker's K/V arrives or a job closes (or a deadline passes)."""
+        return self.scheduler.only_transfers or (not self.scheduler.has_work and self.releasing)
 
     def compile_passes(self) -> None:
         """With `engine.compile` on a CPU: compile each model's layers now

@@ -157,11 +157,14 @@ class Engine:
                 self._inbox.append(("jobs", None))
             self._cond.notify()
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the loop's thread; returns once it has calibrated speculation's
-        pass costs (under a second), so no request is timed against that. All
-        of the engine's torch work runs on that one thread (see run_in_passing_thread)."""
-        self._loop = asyncio.get_running_loop()
+        pass costs (seconds), so no request is timed against that. All of the
+        engine's torch work runs on that one thread (see run_in_passing_thread).
+        `loop`: the event loop its streams belong to, when called off it (a
+        server starting the engine while its loop answers /healthz); default:
+        the running one."""
+        self._loop = loop or asyncio.get_running_loop()
         ready = threading.Event()
         failed: list[BaseException] = []
 

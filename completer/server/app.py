@@ -1,7 +1,7 @@
 """`completer serve`: the WebSocket endpoint and the HTTP routes on one port.
 
     /v1/ws       the editor protocol (token, Origin and Host checked first)
-    /healthz     200 once the models are loaded (503 before)
+    /healthz     200 once ready; 503 with how far the start is before
     /metrics     Prometheus exposition (token, unless server.public_metrics)
     /dashboard   the live latency dashboard (open it with ?token=TOKEN)
     /v1/stats    the dashboard's figures as JSON (token)
@@ -36,6 +36,7 @@ from completer.server import security
 from completer.server.compat.http import CompatServer
 from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
+from completer.startup import StartupProgress
 
 if TYPE_CHECKING:
     from completer.cluster.front import LinkedEngine
@@ -44,8 +45,10 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class App:
-    def __init__(self, config: Config, token: str):
+    def __init__(self, config: Config, token: str, progress: StartupProgress | None = None):
         self.config = config
+        # How far the start is: shown as it goes, and said by /healthz and refused handshakes until ready.
+        self.progress = progress or StartupProgress(enabled=False)
         self.token = token
         self.metrics = Metrics()
         self.target: LoadedModel | None = None
@@ -110,6 +113,8 @@ class App:
         if on_loaded is not None:
             on_loaded()
         engine = LinkedEngine(self.config)
+        c = self.config.cluster
+        self.progress.enter("starting the engine replicas", f"Ray Serve app {c.app!r}")
         await engine.start()
         self.cluster = engine
         self.pipeline = CompletionPipeline(self.target, self.config)
@@ -117,10 +122,12 @@ class App:
 
     async def start_engine(self, on_loaded=None) -> None:
         """Load the models (and start the prefill workers), call `on_loaded()`,
-        then build and start the engine."""
+        then build and start the engine: all of it off the event loop, which
+        answers /healthz (and refuses handshakes, saying how far it is) meanwhile."""
         if self.config.cluster.enabled:
             return await self.start_cluster(on_loaded)
         workers = asyncio.ensure_future(self.start_workers()) if self.config.disagg.enabled else None
+        self.progress.enter("loading the model", str(self.config.model.target))
         try:
             await asyncio.to_thread(run_in_passing_thread, self.load_models)
         except (CheckpointError, ModelFetchError):
@@ -137,8 +144,15 @@ class App:
                 raise CheckpointError(str(e)) from None
         if on_loaded is not None:
             on_loaded()
-        engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, remote=remote)
-        engine.start()
+        self.progress.enter("starting the engine", "calibrating speculation")
+        loop = asyncio.get_running_loop()
+
+        def build() -> Engine:  # the pools' allocation and the calibration passes take seconds
+            engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, remote=remote)
+            engine.start(loop)
+            return engine
+
+        engine = await asyncio.to_thread(run_in_passing_thread, build)
         self.pipeline = CompletionPipeline(self.target, self.config)
         self.engine = engine
 
@@ -191,10 +205,13 @@ class App:
         # the dashboard's page holds no figures (it fetches them with the token).
         token_ok = security.token_matches(self.token, request.headers.get("Authorization"), request.path)
         if path == "/healthz":
-            status = "ok" if ready else "loading"
-            if self.cluster is not None and not self.cluster.up:
-                status = "reconnecting"  # to the Ray cluster: requests are refused until it is back
-            return self.json_response(conn, 200 if status == "ok" else 503, {"status": status})
+            if self.cluster is not None and not self.cluster.up:  # requests are refused until it is back
+                return self.json_response(conn, 503, {"status": "reconnecting"})
+            if ready:
+                return self.json_response(conn, 200, {"status": "ok"})
+            p = self.progress
+            return self.json_response(conn, 503, {"status": "loading", "progress": round(p.fraction, 3),
+                                                  "stage": p.stage, "message": p.describe()})
         if path == "/metrics":
             if not (token_ok or self.config.server.public_metrics):
                 return self.unauthorized(conn)
@@ -214,8 +231,8 @@ class App:
             return conn.respond(http.HTTPStatus.FORBIDDEN, "Origin not allowed\n")
         if not token_ok:
             return self.unauthorized(conn)
-        if not ready:
-            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "models are loading\n")
+        if not ready:  # clients show this line (python -m completer.client waits, saying it)
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, self.progress.describe() + "\n")
         if len(self.sessions) >= self.config.server.max_connections:
             return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
         return None
@@ -262,8 +279,11 @@ class App:
                 session.ws.transport.abort()
             await server.wait_closed()
 
-    async def serve(self, stop: asyncio.Event, on_listening=None, sock: socket.socket | None = None) -> None:
-        """Serve until `stop`; on `server.host`/`port`, or on a listening `sock` given."""
+    async def serve(self, stop: asyncio.Event, on_listening=None, sock: socket.socket | None = None,
+                    on_bound=None) -> None:
+        """Serve until `stop`; on `server.host`/`port`, or on a listening `sock`
+        given. `on_bound(port)` once the port is bound (the models not loaded
+        yet); `on_listening(port)` then `on_listening(port, self)` once ready."""
         s = self.config.server
         tls = None
         if s.tls_cert:
@@ -277,17 +297,23 @@ class App:
             if self.compat is not None:  # bound now, like the WebSocket port: 503 while the models load
                 await self.compat.start(tls, SHUTDOWN_GRACE_S)
             try:
-                # "listening" is said once the models have loaded, so a model that fails to load ends
-                # the start with its error alone; bound before, /healthz answers 503 while they load.
-                announce = (lambda: on_listening(port)) if on_listening is not None else None
-                loading = asyncio.create_task(self.start_engine(announce))
+                # "listening" is said once a completion can be answered (issue #32: said before the
+                # engine was up, a client run then timed out), so a model that fails to load ends the
+                # start with its error alone; bound before, /healthz and handshakes say how far it is.
+                if on_bound is not None:
+                    on_bound(port)
+                loading = asyncio.create_task(self.start_engine())
                 stopped = asyncio.create_task(stop.wait())
                 await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
                 if loading.done() and loading.exception() is not None:
+                    self.progress.fail()
                     self.stop_workers()
                     raise loading.exception()
-                if on_listening is not None and loading.done():
-                    on_listening(port, self)
+                if loading.done():
+                    self.progress.done()
+                    if on_listening is not None:
+                        on_listening(port)
+                        on_listening(port, self)
                 await stopped
                 # One grace for all of it: draining the requests, then the close handshakes.
                 end = asyncio.get_running_loop().time() + SHUTDOWN_GRACE_S
@@ -304,7 +330,7 @@ class App:
         self.stop_workers()
 
 
-def run(config: Config, token: str, token_source: str) -> int:
+def run(config: Config, token: str, token_source: str, progress: StartupProgress | None = None) -> int:
     """Serve until SIGINT/SIGTERM; exit 0 after a graceful shutdown."""
     s = config.server
     if not security.is_loopback(s.host) and not s.tls_cert:
@@ -321,8 +347,12 @@ def run(config: Config, token: str, token_source: str) -> int:
 
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
-    app = App(config, token)
+    app = App(config, token, progress)
     scheme = "wss" if s.tls_cert else "ws"
+
+    def on_bound(port: int) -> None:
+        print(f"completer starting on port {port}: loading the models (GET {app.scheme}://{s.host}:{port}/healthz "
+              f"says how far); `ready` follows", flush=True)
 
     def on_listening(port: int, loaded: App | None = None) -> None:
         if loaded is None:
@@ -344,7 +374,7 @@ def run(config: Config, token: str, token_source: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await app.serve(stop, on_listening)
+        await app.serve(stop, on_listening, on_bound=on_bound)
 
     asyncio.run(main())
     print("completer stopped", flush=True)

@@ -160,13 +160,18 @@ class Session:
             self.error(msg.id, *problem)
             return
         app, uri = self.app, msg.document.uri
-        state = self.documents.pop(uri, None) or app.pipeline.document()
+        state = self.documents.pop(uri, None)
+        deadline_ms = msg.deadline_ms
+        if state is None:  # the document's first request: a cold prefill, and no keystroke racing it
+            state = app.pipeline.document()
+            if deadline_ms is None:
+                deadline_ms = app.config.request.first_deadline_ms
         self.documents[uri] = state
         while len(self.documents) > app.config.server.max_documents_per_connection:
             self.documents.popitem(last=False)  # its next keystroke builds its prompt afresh
         salt = self.key if app.config.server.prefix_cache_scope == "connection" else ""
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                 stop=tuple(msg.stop), deadline_ms=msg.deadline_ms, cache_salt=salt, n=msg.n)
+                                 stop=tuple(msg.stop), deadline_ms=deadline_ms, cache_salt=salt, n=msg.n)
         try:
             found = self.workspace_files.imported(msg.workspace, msg.document)
             context = self.context_store.candidates(msg.document, msg.context, msg.workspace, found)
