@@ -351,8 +351,9 @@ def run(config: Config, token: str, token_source: str, progress: StartupProgress
     scheme = "wss" if s.tls_cert else "ws"
 
     def on_bound(port: int) -> None:
+        # (Not the word "ready": scripts wait for the line that ends with it.)
         print(f"completer starting on port {port}: loading the models (GET {app.scheme}://{s.host}:{port}/healthz "
-              f"says how far); `ready` follows", flush=True)
+              f"says how far)", flush=True)
 
     def on_listening(port: int, loaded: App | None = None) -> None:
         if loaded is None:
