@@ -293,8 +293,8 @@ class Engine:
                     log.exception("engine step failed; its %d running requests end with an internal error",
                                   len(core.scheduler.running))
                     events += core.fail_running(f"{type(e).__name__}: {e}")
-            else:  # what aborts left
-                events += [(e.id, e) for e in core.output.drain()]
+            else:  # what aborts left, and the failures of jobs taken in from the inbox (a `Failed`: an error)
+                events += as_delivered(core.output.drain())
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 
