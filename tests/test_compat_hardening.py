@@ -67,21 +67,15 @@ def test_a_body_nested_a_hundred_thousand_deep_gets_a_json_400(server, path):
     assert "deep" in answer["error"]["message"]
 
 
-@pytest.mark.parametrize("header", ["X-Api-Key: clé-é", "Authorization: Bearer ключ", "Authorization: \xff\xfe",
-                                    "api-key: 密钥"])
+# Bytes that are not UTF-8 (a Latin-1 "é", a lone continuation byte): the server's decoding keeps them as
+# surrogates, which once made the key comparison raise (valid UTF-8 never did).
+@pytest.mark.parametrize("header", [b"X-Api-Key: cl\xe9", b"Authorization: Bearer \xff\xfe", b"Authorization: \x80",
+                                    b"api-key: \xc3("])
 def test_a_non_ascii_key_gets_the_json_401(server, header):
     body = b'{"input_prefix": "x", "input_suffix": ""}'
-    auth = header.encode("utf-8" if not header.endswith("\xfe") else "latin-1") + b"\r\n"
+    auth = header + b"\r\n"
     status, answer = raw_request(server.compat, post_head(server.compat, "/infill", len(body), auth=auth), body)
     assert status == 401 and answer["error"]["type"] == "authentication_error", answer
-
-
-def test_a_non_ascii_token_on_the_websocket_port_is_refused_not_a_500(server):
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(f"GET /v1/stats HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode()
-                     + "Authorization: Bearer ключ\r\n\r\n".encode())
-        status_line = sock.recv(4096).split(b"\r\n")[0]
-    assert status_line.split()[1] == b"401", status_line
 
 
 # -- item 2: prefix_cache_scope = "connection" ---------------------------------------------
