@@ -83,6 +83,12 @@ TEMPLATES: dict[str, FimTemplate] = {
     "prefix": FimTemplate(
         name="prefix", prefix="", suffix="", middle="", order="prefix",
         stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+    # The same, for vocabularies with StarCoder's <file_sep> (SmolLM2's): each
+    # context snippet and the document itself introduced as a file of the
+    # repository, as The Stack's repository-level training documents are.
+    "prefix-files": FimTemplate(
+        name="prefix-files", prefix="", suffix="", middle="", order="prefix", file_sep="<file_sep>",
+        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
 }
 
 
