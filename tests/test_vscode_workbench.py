@@ -211,7 +211,7 @@ def code_server_root():
                         f"{code_server.cache_dir()})")
         started = time.monotonic()
         code_server.install()
-        print(f"installed code-server in {time.monotonic() - started:.0f} s")
+        step(f"installed code-server in {time.monotonic() - started:.0f} s")
     return code_server.cache_dir()
 
 
@@ -377,8 +377,7 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
     step("waiting for the workbench and the extension's connection")
     connected = await wait_status(page, r"completer", "zap", timeout=240)
     assert connected, f"the status item never said connected: {await status(page)}"
-    assert f"connected to ws://127.0.0.1:{relay_port}/v1/ws" \
-        in connected["aria"], connected
+    assert f"connected to ws://127.0.0.1:{relay_port}/v1/ws" in connected["aria"], connected
     assert await page.evaluate(PAGE_SCRIPT)
 
     step("connected; opening main.py")
