@@ -112,10 +112,18 @@ class ModelNames(msgspec.Struct, frozen=True):
     draft: str | None = None
 
 
+class RequestDefaults(msgspec.Struct, frozen=True):
+    """What a request that leaves them out gets (the server's `[request]`): clients time requests by it."""
+
+    deadline_ms: float
+    max_tokens: int
+
+
 class Ready(msgspec.Struct, tag="ready", tag_field="type", frozen=True):
     protocol: int
     server: str
     model: ModelNames
+    request: RequestDefaults | None = None
 
 
 class Delta(msgspec.Struct, tag="delta", tag_field="type", frozen=True):

@@ -5,41 +5,13 @@ wrong one, it shows no figures and says how to open it."""
 
 import asyncio
 import base64
-import json
-import os
-import re
-import shutil
-import signal
-import subprocess
-import tempfile
-from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
-import websockets
 
+from devtools import CHROMIUM, chromium, wait_for
 from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = ROOT / "test-artifacts"
-
-
-class DevTools:
-    def __init__(self, ws):
-        self.ws, self.next_id = ws, 0
-
-    async def call(self, method, **params):
-        self.next_id += 1
-        await self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(await self.ws.recv())
-            if msg.get("id") == self.next_id:
-                if "error" in msg:
-                    raise RuntimeError(msg["error"])
-                return msg["result"]
-
-    async def evaluate(self, expression):
-        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
-        return result["result"].get("value")
 
 
 async def traffic(server, stop):
@@ -56,46 +28,6 @@ async def traffic(server, stop):
 def server():
     with running_server() as s:
         yield s
-
-
-@asynccontextmanager
-async def chromium():
-    """Headless Chromium on a scratch profile; yields `open(url) -> DevTools` of a new page."""
-    # Chromium's helper processes may still write the profile after the browser
-    # exits; the scratch profile's cleanup must not fail the test.
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
-        browser = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--window-size=1280,1000", "--remote-debugging-port=0", "about:blank"],
-            stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            url = None
-            while url is None:
-                line = await asyncio.to_thread(browser.stderr.readline)
-                assert line, "chromium exited"
-                if m := re.search(r"DevTools listening on (ws://\S+)", line):
-                    url = m.group(1)
-            async with AsyncExitStack() as pages:
-                async def open_page(page_url: str) -> DevTools:
-                    async with websockets.connect(url, max_size=None) as browser_ws:
-                        target = await DevTools(browser_ws).call("Target.createTarget", url=page_url)
-                    ws_url = url.split("/devtools/")[0] + f"/devtools/page/{target['targetId']}"
-                    return DevTools(await pages.enter_async_context(websockets.connect(ws_url, max_size=None)))
-
-                yield open_page
-        finally:
-            os.killpg(browser.pid, signal.SIGTERM)  # the browser and its helpers
-            browser.wait(timeout=20)
-
-
-async def wait_for(page: DevTools, expression: str, tries: int = 100):
-    """The value of `expression` once truthy (real time: the page polls every 2 s)."""
-    for _ in range(tries):
-        if value := await page.evaluate(expression):
-            return value
-        await asyncio.sleep(0.5)
-    return await page.evaluate(expression)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")

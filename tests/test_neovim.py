@@ -655,6 +655,23 @@ def test_a_request_on_a_dead_connection_times_out(server, editor, tmp_path):
         proxy.close()
 
 
+def test_requests_without_a_deadline_follow_the_servers(server, editor, tmp_path):
+    """A request that names no deadline_ms is given up by the server's default deadline (its ready says
+    it: 2 s here) plus the margin; one that names one, by its own."""
+    setup(editor, server, max_tokens=8, request_timeout_margin_ms=1000)
+    assert editor.lua("return require('completer.core').server_deadline_ms()") == 2000
+    start_typing(editor, tmp_path / "d.py")
+    margins = lambda: editor.lua(  # noqa: E731
+        "local out = {} for _, r in pairs(require('completer.core').S.requests) do "
+        "out[#out + 1] = (r.timeout_at - r.t_send) / 1e6 end return out")
+    editor.nvim.input("x")
+    seen = []
+    deadline = time.time() + 10
+    while not seen and time.time() < deadline:
+        seen = margins()
+    assert seen and all(abs(m - 3000) < 1 for m in seen), seen
+
+
 def test_undo_takes_back_only_the_accepted_text_and_dot_repeats(server, editor, tmp_path):
     setup(editor, server, mode="line", max_tokens=16, speculative=False)
     start_typing(editor, tmp_path / "u.py")

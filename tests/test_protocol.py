@@ -8,7 +8,7 @@ import pytest
 from completer.engine.sequence import Timings
 from completer.protocol import (MAX_CANDIDATES, MAX_CONTEXT_ITEMS, MAX_DEADLINE_MS, MAX_ID_CHARS, MAX_LANGUAGE_CHARS,
                                 MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOKENS, MAX_URI_CHARS, Cancel, Complete, Done,
-                                Error, Feedback, Hello, ModelNames, Ready, decode, encode)
+                                Error, Feedback, Hello, ModelNames, Ready, RequestDefaults, decode, encode)
 
 COMPLETE = {
     "type": "complete", "id": "42",
@@ -59,9 +59,9 @@ def test_not_json():
 
 
 def test_server_messages_encode_as_specified():
-    ready = json.loads(encode(Ready(1, "completer/0.1.0", ModelNames("T", "D"))))
+    ready = json.loads(encode(Ready(1, "completer/0.1.0", ModelNames("T", "D"), RequestDefaults(2000.0, 64))))
     assert ready == {"type": "ready", "protocol": 1, "server": "completer/0.1.0",
-                     "model": {"target": "T", "draft": "D"}}
+                     "model": {"target": "T", "draft": "D"}, "request": {"deadline_ms": 2000.0, "max_tokens": 64}}
     done = json.loads(encode(Done("42", "stop", "return self._items", Timings(ttft_ms=11.8))))
     assert done["type"] == "done" and done["reason"] == "stop"
     assert set(done["timings"]) == {"queue_ms", "ttft_ms", "total_ms", "prompt_tokens", "cached_tokens",

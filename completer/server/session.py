@@ -24,7 +24,7 @@ from completer.engine.engine import RequestStream
 from completer.engine.request import EngineError
 from completer.pipeline import RequestOptions
 from completer.protocol import (PROTOCOL_VERSION, Cancel, Complete, Delta, Done, Error, Feedback, Hello,
-                                ModelNames, Ready, decode, encode)
+                                ModelNames, Ready, RequestDefaults, decode, encode)
 from completer.workspace import WorkspaceFiles
 
 if TYPE_CHECKING:
@@ -128,8 +128,10 @@ class Session:
                            f"protocol {msg.protocol} is not supported (this server speaks {PROTOCOL_VERSION})")
             else:
                 app = self.app
+                defaults = app.config.request
                 self.send(Ready(PROTOCOL_VERSION, f"completer/{__version__}",
-                                ModelNames(app.target.name, app.draft.name if app.draft else None)))
+                                ModelNames(app.target.name, app.draft.name if app.draft else None),
+                                RequestDefaults(defaults.deadline_ms, defaults.max_tokens)))
 
     def supersede_key(self, uri: str) -> str:
         return f"{self.key}/{uri}"

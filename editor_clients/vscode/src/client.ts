@@ -39,7 +39,7 @@ export interface ClientOptions {
   silenceMs?: number;
   /** A ping unanswered this long: the connection is dead. */
   pongTimeoutMs?: number;
-  /** A request without `deadline_ms` is given up this long after it was sent (plus the margin). */
+  /** A request without `deadline_ms` is given up this long after it was sent (plus the margin), when the server's `ready` did not say its default deadline. */
   assumedDeadlineMs?: number;
   /** Given up this long after its deadline, when neither `done` nor `error` came. */
   requestMarginMs?: number;
@@ -89,7 +89,8 @@ export class CompleterClient extends EventEmitter {
       handshakeTimeoutMs: 5_000,
       silenceMs: DEFAULT_SILENCE_MS,
       pongTimeoutMs: DEFAULT_PONG_TIMEOUT_MS,
-      // The server's default deadline is 2 s; an answer later than this is of no use to someone typing.
+      // For a server that does not say its default deadline (before `ready.request`); an answer
+      // later than this is of no use to someone typing.
       assumedDeadlineMs: 10_000,
       requestMarginMs: 2_000,
       ...options,
@@ -316,6 +317,12 @@ export class CompleterClient extends EventEmitter {
     this.emit('message', msg);
     if (msg.type === 'ready') {
       this.server = msg as unknown as ServerInfo;
+      // Requests that leave deadline_ms out are timed by the server's own deadline (this connection's server).
+      const deadline = this.server.request?.deadline_ms;
+      this.requests.timeouts = {
+        ...this.requests.timeouts,
+        serverDeadlineMs: typeof deadline === 'number' && Number.isFinite(deadline) && deadline > 0 ? deadline : undefined,
+      };
       this.emit('ready', this.server);
     } else if (msg.type === 'error' && (typeof msg.id !== 'string' || !this.requests.has(msg.id))) {
       this.emit('log', `server error: ${String(msg.code)}: ${String(msg.message)}`);

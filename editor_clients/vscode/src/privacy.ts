@@ -7,11 +7,14 @@
  * against the document's path; a pattern without `/` against its name alone.
  */
 export const SENSITIVE_GLOBS: readonly string[] = [
+  // The same list, in the same order, as the Neovim plugin's (lua/completer/config.lua's
+  // SECRETS); tests/test_secret_patterns.py holds the two to it.
   '.env', '.env.*', '*.env', '.envrc',
-  '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg',
+  '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg', '*.asc', '*.kdbx',
   'id_rsa*', 'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk',
   '.netrc', '_netrc', '.pgpass', '.npmrc', '.pypirc', '.git-credentials', '.htpasswd',
-  'credentials', 'credentials.*', '*credentials*.json', 'secrets.*', '*.secret', '*.secrets', 'client_secret*',
+  'credentials', 'credentials.*', '*credentials*.json', 'secrets', 'secrets.*', '*.secret', '*.secrets',
+  '*secret*.json', '*secret*.y*ml', 'client_secret*',
   '*.tfvars', '*.tfstate', '*.tfstate.*',
   '**/.ssh/**', '**/.aws/**', '**/.gnupg/**', '**/.docker/config.json', '**/.kube/config',
 ];

@@ -59,6 +59,8 @@ export interface ServerInfo {
   protocol: number;
   server: string;
   model: { target: string; draft?: string | null };
+  /** What a request that leaves them out gets (servers before it send none). */
+  request?: { deadline_ms?: number; max_tokens?: number };
 }
 
 /** Why the extension sent a request: it decides what the result is used for and what it may show. */

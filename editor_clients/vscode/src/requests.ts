@@ -18,8 +18,10 @@ export interface RequestOptions {
 }
 
 export interface RequestTimeouts {
-  /** A request without `deadline_ms` is given up this long after it was sent (plus the margin). */
+  /** A request without `deadline_ms` is given up this long after it was sent (plus the margin), when the server did not say its own. */
   assumedDeadlineMs: number;
+  /** The server's default deadline (its `ready`'s `request.deadline_ms`): a request without `deadline_ms` follows it. */
+  serverDeadlineMs?: number;
   /** Given up this long after its deadline, when neither `done` nor `error` came. */
   requestMarginMs: number;
 }
@@ -71,7 +73,8 @@ export class InFlightRequests {
     }
     let resolve!: (r: CompletionResult) => void;
     const result = new Promise<CompletionResult>((r) => (resolve = r));
-    const waitMs = (params.deadline_ms ?? this.timeouts.assumedDeadlineMs) + this.timeouts.requestMarginMs;
+    const deadlineMs = params.deadline_ms ?? this.timeouts.serverDeadlineMs ?? this.timeouts.assumedDeadlineMs;
+    const waitMs = deadlineMs + this.timeouts.requestMarginMs;
     const entry: InFlight = {
       id, uri, deltas: [], sentAt: performance.now(), cancelRequested: false,
       purpose: options.purpose ?? 'complete', onDelta: options.onDelta, resolve,

@@ -16,6 +16,7 @@ import { Liveness } from '../src/liveness';
 import { PrivacyFilter, uriPath } from '../src/privacy';
 import { codePoints, codePointsBetween } from '../src/protocol';
 import { capPrefix, chooseMode, modeAt, nearbyText, nextLineIndent } from '../src/text';
+import { InFlightRequests, RequestTimeouts } from '../src/requests';
 import { resolveToken } from '../src/token';
 import { FinishHow, keptChars, Shown, ShownTracker, TextSource } from '../src/tracker';
 
@@ -339,5 +340,31 @@ describe('Liveness', () => {
     await tick();
     assert.match(dead, /no answer from the server/);
     liveness.stop();
+  });
+});
+
+describe('request timeouts', () => {
+  const params = (deadline?: number) => ({
+    document: { uri: 'file:///p/a.py', language: 'python', prefix: 'x = ', suffix: '' },
+    ...(deadline === undefined ? {} : { deadline_ms: deadline }),
+  });
+  const timedOutAfter = async (timeouts: RequestTimeouts, deadline?: number): Promise<number> => {
+    const requests = new InFlightRequests(() => undefined, () => undefined, () => undefined, timeouts);
+    const started = performance.now();
+    const result = await requests.add(params(deadline), {}).result;
+    assert.equal(result.reason, 'timeout');
+    return performance.now() - started;
+  };
+  it("follows the server's default deadline when the request names none", async () => {
+    const waited = await timedOutAfter({ assumedDeadlineMs: 10_000, requestMarginMs: 20, serverDeadlineMs: 30 });
+    assert.ok(waited >= 45 && waited < 2_000, `gave up after ${waited} ms`);
+  });
+  it("a request's own deadline_ms wins over the server's", async () => {
+    const waited = await timedOutAfter({ assumedDeadlineMs: 10_000, requestMarginMs: 20, serverDeadlineMs: 5_000 }, 30);
+    assert.ok(waited >= 45 && waited < 2_000, `gave up after ${waited} ms`);
+  });
+  it('assumes a deadline when the server says none', async () => {
+    const waited = await timedOutAfter({ assumedDeadlineMs: 40, requestMarginMs: 20 });
+    assert.ok(waited >= 55 && waited < 2_000, `gave up after ${waited} ms`);
   });
 });

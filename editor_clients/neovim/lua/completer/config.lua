@@ -5,11 +5,16 @@ local M = {}
 -- Files never sent, as a document or as context: secrets. A glob with a `/`
 -- matches the whole path, one without the file's name (case-insensitive).
 M.SECRETS = {
-  '.env', '.env.*', '*.env', '.envrc', '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', 'id_rsa*',
-  'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk', '.netrc', '_netrc', '.pgpass', '.git-credentials', '.npmrc',
-  '.pypirc', 'credentials', 'credentials.*', '*credentials*.json', 'secrets', 'secrets.*', '*.secret', '*.secrets',
-  '*secret*.json', '*secret*.y*ml', '*.gpg', '*.asc', '*.kdbx',
-  '*.tfstate', '*.tfvars', '**/.ssh/*', '**/.aws/*', '**/.gnupg/*', '**/.docker/config.json', '**/.kube/config',
+  -- The same list, in the same order, as the VS Code extension's (src/privacy.ts's
+  -- SENSITIVE_GLOBS); tests/test_secret_patterns.py holds the two to it.
+  '.env', '.env.*', '*.env', '.envrc',
+  '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg', '*.asc', '*.kdbx',
+  'id_rsa*', 'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk',
+  '.netrc', '_netrc', '.pgpass', '.npmrc', '.pypirc', '.git-credentials', '.htpasswd',
+  'credentials', 'credentials.*', '*credentials*.json', 'secrets', 'secrets.*', '*.secret', '*.secrets',
+  '*secret*.json', '*secret*.y*ml', 'client_secret*',
+  '*.tfvars', '*.tfstate', '*.tfstate.*',
+  '**/.ssh/**', '**/.aws/**', '**/.gnupg/**', '**/.docker/config.json', '**/.kube/config',
 }
 
 M.defaults = {

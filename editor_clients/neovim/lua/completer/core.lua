@@ -177,6 +177,14 @@ function M.context(buf, first, last)
   return out
 end
 
+--- The server's default deadline (its `ready`'s request.deadline_ms), which a
+--- request without deadline_ms gets; nil when not connected or not said.
+function M.server_deadline_ms()
+  local server = S.client and S.client.server
+  local d = type(server) == 'table' and type(server.request) == 'table' and server.request.deadline_ms
+  if type(d) == 'number' and d > 0 and d < math.huge then return d end
+end
+
 local function send(kind, doc_snap, snap, extra_prefix)
   local c = S.cfg
   local req = new_request(kind, snap)
@@ -203,7 +211,7 @@ local function send(kind, doc_snap, snap, extra_prefix)
   end
   req.t_send = now() -- before the write: the server's ttft interval lies inside send..shown
   -- Past its deadline plus a margin a request is given up, and the connection probed.
-  req.timeout_at = req.t_send + ((c.deadline_ms or 2000) + c.request_timeout_margin_ms) * 1e6
+  req.timeout_at = req.t_send + ((c.deadline_ms or M.server_deadline_ms() or 2000) + c.request_timeout_margin_ms) * 1e6
   if not S.client:send(msg) then return nil end
   S.requests[req.id] = req
   require('completer.replies').watch_timeouts() -- (replies requires this module)
