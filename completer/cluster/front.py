@@ -12,6 +12,7 @@ open throughout: their next keystroke after that is served.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -90,7 +91,7 @@ class LinkedEngine:
             if self._stopping:
                 return
             self._lost()
-            for attempt in range(1_000_000):
+            for attempt in itertools.count():
                 await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
                 if self._stopping:
                     return
