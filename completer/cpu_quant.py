@@ -103,12 +103,13 @@ class Int8Linear(nn.Module):
 
 def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit groups along the input: (q in 0..15 [N, K], scale
-    [N, K/g], minimum [N, K/g]) with weight ~= q * scale + minimum."""
+    [N, K/g], minimum [N, K/g]) with weight ~= q * scale + minimum. Scale and
+    minimum are fp16 values, as in GGUF's Q4_1 (the fused CPU layer stores them so)."""
     N, K = weight.shape
     w = weight.detach().float().view(N, K // group, group)
-    low, high = w.amin(-1), w.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-8)
-    q = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    low, high = w.amin(-1).half().float(), w.amax(-1)
+    scale = ((high - low) / 15).half().float()
+    q = torch.where(scale[..., None] > 0, (w - low[..., None]) / scale[..., None], 0).round().clamp(0, 15)
     return q.view(N, K).to(torch.int32), scale, low
 
 
@@ -152,8 +153,13 @@ class Int4Linear(nn.Module):
         self.dense = self.dequantized(self.compute_dtype).contiguous() if rows > 0 else None
         return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
 
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q in 0..15 [N, K], scale, minimum [N, K / group]), as `int4_groups` made them."""
+        q = torch.stack((self.nibbles & 15, self.nibbles >> 4), -1).view(self.out_features, self.in_features)
+        return q, self.scale, self.low
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = torch.stack((self.nibbles & 15, self.nibbles >> 4), -1).view(self.out_features, -1, self.group)
+        q = self.groups()[0].view(self.out_features, -1, self.group)
         return (q.to(dtype) * self.scale.to(dtype)[..., None] + self.low.to(dtype)[..., None]).view(
             self.out_features, -1)
 

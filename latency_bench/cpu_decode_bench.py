@@ -7,7 +7,9 @@ precision, side by side in one run. Prints a table; writes JSON.
     python latency_bench/cpu_decode_bench.py --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 
 Rows: completer at fp32 and bf16 (fused q/k/v and gate/up; `*_unfused`;
-`*_compiled` with `engine.compile`, the others without), int8, int4, each a
+`*_compiled` with `engine.compile`, the others without), int8, int4 (the
+fused CPU layer; `int4_q8` with its 8-bit activations, `int4_torch` without
+it, torch's ops as before), each a
 fresh load of the default Q4_1 GGUF; llama.cpp on the F32, BF16 and Q8_0 GGUFs
 llama_peer writes from it (`matched_gguf`) and on the Q4_1 file itself. By
 default the unquantized rows are those of the precision `auto` picks on this
@@ -72,11 +74,17 @@ from completer.config import Config  # noqa: E402
 from completer.pipeline import CompletionPipeline, RequestOptions, display_path  # noqa: E402
 from completer.protocol import Document  # noqa: E402
 
-COMPLETER_ROWS = {  # name: (precision, fuse, compile)
-    "fp32": ("fp32", True, False), "fp32_unfused": ("fp32", False, False), "fp32_compiled": ("fp32", True, True),
-    "bf16": ("bf16", True, False), "bf16_unfused": ("bf16", False, False), "bf16_compiled": ("bf16", True, True),
-    "int8": ("int8", True, False), "int8_compiled": ("int8", True, True),
-    "int4": ("int4", True, False), "int4_compiled": ("int4", True, True)}
+COMPLETER_ROWS = {  # name: (precision, fuse, engine settings beside the defaults)
+    "fp32": ("fp32", True, {}), "fp32_unfused": ("fp32", False, {}),
+    "fp32_compiled": ("fp32", True, {"compile": True}),
+    "bf16": ("bf16", True, {}), "bf16_unfused": ("bf16", False, {}),
+    "bf16_compiled": ("bf16", True, {"compile": True}),
+    "int8": ("int8", True, {}), "int8_compiled": ("int8", True, {"compile": True}),
+    # int4: the fused CPU layer (engine.fused_cpu, fp32 activations); _q8: its 8-bit activations;
+    # _torch: torch's ops, as before the fused layer; _compiled: those through torch.compile
+    "int4": ("int4", True, {}), "int4_q8": ("int4", True, {"fused_cpu_q8": True}),
+    "int4_torch": ("int4", True, {"fused_cpu": False}),
+    "int4_compiled": ("int4", True, {"fused_cpu": False, "compile": True})}
 LLAMA_ROWS = {  # name: (completer's precision it matches, its GGUF)
     "llama_f32": ("fp32", lambda: llama_peer.matched_gguf("fp32")),
     "llama_bf16": ("bf16", lambda: llama_peer.matched_gguf("bf16")),
@@ -163,13 +171,13 @@ def completer_sample(ids: list[int], t: Timings) -> Sample:
 
 
 async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict]:
-    precision, fuse, compiled = COMPLETER_ROWS[name]
+    precision, fuse, settings = COMPLETER_ROWS[name]
     path = resolve_target("default")
     target = run_in_passing_thread(lambda: load(path, precision, fuse=fuse))
     draft_path = resolve_draft("default", path)
     draft = draft_path and run_in_passing_thread(lambda: load(draft_path, precision, target=target, fuse=fuse))
     nbytes, threads = weight_bytes(target.model), dict(threads=args.threads, decode_threads=args.threads)
-    extra = {"compile": compiled}  # on by default: off for the other rows
+    extra = {"compile": False, **settings}
     # No stop ids: decode runs to max_tokens whatever it writes (`free` mode ends nowhere else).
     config = EngineConfig(prefix_cache=False, kv_cache_mb=512, max_running=8, prefill_chunk=max(BATCHES) *
                           args.prompt_tokens, **threads, **extra)
@@ -299,7 +307,7 @@ def aims(rows: list[Row]) -> list[str]:
     out = []
     for ours, theirs in (("int8", "llama_q8_0"), ("int4", "llama_q4_1"), ("bf16", "llama_bf16"),
                          ("fp32", "llama_f32")):
-        for name in (ours, f"{ours}_compiled"):
+        for name in (ours, f"{ours}_q8", f"{ours}_torch", f"{ours}_compiled"):
             if (name, 1) in by and (theirs, 1) in by:
                 a, b = by[name, 1].decode_tok_s, by[theirs, 1].decode_tok_s
                 out.append(f"decode tok/s batch 1: {name} {a:.1f} vs {theirs} {b:.1f} ({a / b:.2f}x; "

@@ -12,6 +12,19 @@ import pytest  # noqa: E402
 from tiny import code_tokenizer  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """The fused CPU layer compiles once per machine (~1 min on 2 cores): here,
+    not inside the first test that starts a server on an int4 model, whose
+    start would otherwise wait for the compiler."""
+    from completer_kernels import cpu_decode
+
+    if not cpu_decode.built():
+        try:
+            cpu_decode.extension()
+        except cpu_decode.FusedUnavailable as e:
+            print(e)
+
+
 @pytest.fixture(scope="session")
 def code_tok(tmp_path_factory):
     """A 320-token byte-level BPE trained on a few lines of code."""

@@ -85,7 +85,9 @@ def test_int4_linear_reproduces_q4_1_weights_and_refuses_other_widths():
     N, K = 64, 96
     q = torch.randint(0, 16, (N, K // INT4_GROUP, INT4_GROUP)).float()
     q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as Q4_1's quantizer makes it
-    scale, low = torch.rand(N, K // INT4_GROUP, 1) * 0.1, torch.randn(N, K // INT4_GROUP, 1)
+    # Q4_1 stores each group's scale and minimum as fp16
+    scale = (torch.rand(N, K // INT4_GROUP, 1) * 0.1).half().float()
+    low = torch.randn(N, K // INT4_GROUP, 1).half().float()
     w = (q * scale + low).view(N, K)
     layer = Int4Linear(w, None)
     torch.testing.assert_close(layer.dequantized(), w, atol=1e-5, rtol=1e-5)

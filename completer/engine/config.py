@@ -24,6 +24,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # On CPU: torch.compile the layers' dense halves at start. Off by default: measured
     # (BENCHMARKS.md, CPU decode) it gains only at int4, and costs seconds at start.
     compile: bool = False
+    # On CPU at int4: passes of up to 32 new tokens (decode, verify, a keystroke's prefill) run each
+    # layer as one C++ call (kernels/cpu_decode.cpp, compiled here at first use; engine/fused_cpu.py).
+    fused_cpu: bool = True
+    # The fused layer's 4-bit GEMMs with activations rounded to 8 bits (llama.cpp's math): faster,
+    # but each rounding moves the logits (engine/fused_cpu.py); false: fp32 activations.
+    fused_cpu_q8: bool = False
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
     decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
     # First tokens go out as soon as the prefill pass made them, and cancels that came

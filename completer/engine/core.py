@@ -23,6 +23,7 @@ from completer.engine.block_manager import BlockManager
 from completer.engine.calibration import prefill_rate, time_passes
 from completer.engine.candidates import Candidates
 from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.fused_cpu import fused_layers_for
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.model_runner import ModelRunner
 from completer.engine.output_processor import OutputProcessor
@@ -107,7 +108,10 @@ class EngineCore:
             attention = config.paged_attention
             if attention == "auto":
                 attention = "triton" if pool.device.type == "cuda" else "torch"
-            runners[role] = ModelRunner(model, pool, attention, config.cuda_graphs)
+            fused = None
+            if config.fused_cpu and pool.device.type == "cpu":
+                fused = fused_layers_for(model, config.fused_cpu_q8)
+            runners[role] = ModelRunner(model, pool, attention, config.cuda_graphs, fused)
             pools[role] = BlockManager(n, config.block_size, config.prefix_cache)
         kv = KVCacheManager(pools, spec.k_max + 1, moved_kv=config.reuse_moved_kv and remote is None)
         return cls(runners, kv, tokenizer, stop_ids, config, spec, remote)

@@ -15,6 +15,7 @@ import torch
 
 from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention
 from completer.engine.cuda_graphs import DecodeGraphs
+from completer.engine.fused_cpu import FusedCpuLayers
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
 from completer.model import Transformer, apply_rope
@@ -22,10 +23,12 @@ from completer.model import Transformer, apply_rope
 
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: Literal["torch", "triton"] = "torch",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, fused: FusedCpuLayers | None = None):
         """attention "triton": passes of up to TritonAttention.MAX_NEW new tokens
         per row read K/V through the paged kernel; plain decode steps replay
-        CUDA graphs if `cuda_graphs` (on CUDA)."""
+        CUDA graphs if `cuda_graphs` (on CUDA). `fused`: passes it fits run
+        through the fused CPU layer."""
+        self.fused = fused
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -73,9 +76,13 @@ class ModelRunner:
             tokens = torch.zeros(len(rows), width, dtype=torch.long)
             for b, row in enumerate(rows):
                 tokens[b, : len(row)] = torch.tensor(row)
-            triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
-            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written, interrupted)
-            hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
+            if self.fused is not None and self.fused.fits(len(rows), width):
+                hidden = self.fused.hidden_states(tokens, meta, self.pool, layer_written, interrupted)
+            else:
+                triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
+                backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written,
+                                                                          interrupted)
+                hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
             if last_only:
                 ends = torch.tensor([n - 1 for n in lens], device=self.device)
                 hidden = hidden[torch.arange(len(rows), device=self.device), ends]

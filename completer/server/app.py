@@ -13,6 +13,7 @@ and OpenAI-compatible routes that existing editor plugins speak.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import json
 import signal
@@ -37,6 +38,7 @@ from completer.server.compat.http import CompatServer
 from completer.server.metrics import Live, Metrics
 from completer.server.session import Session
 from completer.startup import StartupProgress
+from completer_kernels import cpu_decode
 
 if TYPE_CHECKING:
     from completer.cluster.front import LinkedEngine
@@ -144,8 +146,13 @@ class App:
                 raise CheckpointError(str(e)) from None
         if on_loaded is not None:
             on_loaded()
-        self.progress.enter("starting the engine", "calibrating speculation")
         loop = asyncio.get_running_loop()
+        if self.config.engine.fused_cpu and self.target.precision == "int4" and self.config.model.device == "cpu" \
+                and not cpu_decode.built():
+            self.progress.enter("starting the engine", "compiling the fused CPU layer (once on this machine)")
+            with contextlib.suppress(cpu_decode.FusedUnavailable):  # said once, where the engine is built
+                await asyncio.to_thread(cpu_decode.extension)
+        self.progress.enter("starting the engine", "calibrating speculation")
 
         def build() -> Engine:  # the pools' allocation and the calibration passes take seconds
             engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, remote=remote)

@@ -1,0 +1,104 @@
+"""Passes of a few new tokens on CPU through the fused C++ layer
+(kernels/cpu_decode.cpp): one call per decoder layer instead of ~15 torch ops.
+
+A decode, verify or warm-keystroke pass on a CPU is bound by streaming the
+weights, but through torch's ops its time went to dispatch: per layer ~530 us
+of which the 4-bit GEMMs took ~230 (BENCHMARKS.md, 2026-12-03 07:06). The
+fused layer reads the same paged K/V pool and block tables as
+`TorchAttention`, so the model runner switches per pass: up to `MAX_TOKENS`
+rows x tokens here, longer prefills through torch (its bf16 GEMMs win there).
+
+Int4 targets only (`model.precision = "int4"`, the CPU default): the layer's
+GEMMs are Q4_1 x Q8, llama.cpp's CPU math.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from completer.cpu_quant import Int4Linear
+from completer.engine.attention import AttentionMetadata, PassInterrupted
+from completer.engine.paged_kv import KVPool
+from completer.model import Transformer
+
+
+log = logging.getLogger("completer.engine")
+
+
+class FusedUnsupported(ValueError):
+    """This model cannot run through the fused layer (one line: why)."""
+
+
+class FusedCpuLayers:
+    MAX_TOKENS = 32  # new tokens in a pass (all rows); more go through torch
+
+    def __init__(self, model: Transformer, q8: bool = False):
+        """q8: activations quantized to 8 bits per block of 32 for the GEMMs
+        (llama.cpp's math: ~20% less GEMM time here, but the rounding of each
+        activation moves logits: top-1 agreement with the fp32-activation path
+        ~85% on code); else fp32 activations."""
+        from completer_kernels.cpu_decode import extension, pack_q4
+
+        cfg = model.config
+        if model.inv_freq.device.type != "cpu":
+            raise FusedUnsupported("the fused layer runs on CPU only")
+        ext = extension()  # FusedUnavailable: no compiler here
+        self.model = model
+        self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                    cfg.rms_norm_eps, q8)
+
+        def q4(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if not isinstance(linear, Int4Linear):
+                raise FusedUnsupported(f"the fused layer takes int4 projections, not {type(linear).__name__}")
+            bias = None if linear.bias is None else linear.bias.float().contiguous()
+            try:
+                return pack_q4(*linear.groups()), bias
+            except ValueError as e:  # a width that is not a multiple of 64
+                raise FusedUnsupported(str(e)) from None
+
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj is None or mlp.gate_up_proj is None:
+                raise FusedUnsupported("the fused layer needs fused projections (model.fuse_projections)")
+            self.impl.add_layer(layer.input_layernorm.weight.detach().float(), *q4(attn.qkv_proj),
+                                *q4(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
+                                *q4(mlp.gate_up_proj), *q4(mlp.down_proj))
+
+    def fits(self, rows: int, width: int) -> bool:
+        return rows * width <= self.MAX_TOKENS
+
+    def hidden_states(self, tokens: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                      layer_written: Callable[[int], None] | None = None,
+                      interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
+        """As `Transformer.hidden_states` over the paged pool: tokens [B, T] at
+        meta.positions; [B, T, d], final norm applied."""
+        model = self.model
+        B, T = tokens.shape
+        x = model.model.embed_tokens(tokens.flatten()).float().contiguous()
+        cos, sin = (c.view(B * T, -1).contiguous() for c in model.rope(meta.positions))
+        for layer in range(len(model.model.layers)):
+            if interrupted is not None and interrupted():
+                raise PassInterrupted
+            self.impl.forward(layer, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, T,
+                              pool.k[layer], pool.v[layer], pool.block_size)
+            if layer_written is not None:
+                layer_written(layer)
+        return model.model.norm(x).view(B, T, -1)
+
+
+def fused_layers_for(model: Transformer, q8: bool = False) -> FusedCpuLayers | None:
+    """The model's fused layers (built once per model and activation precision,
+    shared by its engines), or None where they cannot run: the reason is logged once."""
+    built = model.__dict__.setdefault("fused_cpu_layers", {})
+    if q8 not in built:
+        from completer_kernels.cpu_decode import FusedUnavailable
+
+        try:
+            built[q8] = FusedCpuLayers(model, q8)
+        except (FusedUnsupported, FusedUnavailable) as e:
+            log.info("engine: passes run through torch's ops: %s", e)
+            built[q8] = None
+    return built[q8]

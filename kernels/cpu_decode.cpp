@@ -1,0 +1,553 @@
+// A decoder layer for CPU passes of a few tokens (decode, verify, a keystroke's
+// prefill), in one call: RMSNorm, 4-bit projections, RoPE, the K/V write,
+// attention over the paged pool, SiLU-gated MLP. Built at first use by
+// cpu_decode.py (torch.utils.cpp_extension, -march=native).
+//
+// Why: such a pass is bound by streaming the weights (~2 MB a layer at 4 bits),
+// but through torch's ops it is ~15 dispatches a layer at 10-30 us each, more
+// than the weights take to stream.
+//
+// The 4-bit GEMM is GGUF Q4_1's math with Q8 activations, as llama.cpp's CPU
+// backend does it: a block of 32 weights w = q * d + m (q in 0..15, d and m
+// fp16) against 32 activations x ~= qx * dx (qx int8) gives
+//   sum(w x) ~= d * dx * sum(q qx) + m * sum(x),
+// the integer sum on AVX512-VNNI (dpbusd: u8 x s8), AVX2 (maddubs) or plain C.
+// sum(x) is taken from the unquantized activations.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;          // weights per block (a scale and a minimum each)
+constexpr int PAIR_BYTES = 40;  // two blocks: fp16 d0 d1, fp16 m0 m1, 32 bytes of nibbles
+// Byte j of a pair's nibbles holds q[j] (low) and q[j + 32] (high): one 256-bit load, a shift and a
+// mask give all 64 weights in order, so the activations need no shuffling.
+
+struct Q4Matrix {
+  const uint8_t* pairs;  // [n, k / 64, PAIR_BYTES]
+  const float* bias;     // [n] or null
+  int64_t n, k;
+};
+
+// Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x.
+// Or (q8 false) kept in fp32, with the sums.
+struct Activations {
+  bool q8 = false;
+  std::vector<int8_t> q;
+  std::vector<float> d, s, f;
+  int64_t m = 0, k = 0;
+
+  void quantize(const float* x, int64_t rows, int64_t width) {
+    m = rows;
+    k = width;
+    const int64_t g = width / QK;
+    s.resize(rows * g);
+    if (!q8) {
+      f.assign(x, x + rows * width);
+      for (int64_t i = 0; i < rows * g; ++i) {
+        float sum = 0.f;
+        for (int j = 0; j < QK; ++j) sum += x[i * QK + j];
+        s[i] = sum;
+      }
+      return;
+    }
+    q.resize(rows * width);
+    d.resize(rows * g);
+    for (int64_t i = 0; i < rows * g; ++i) {
+      const float* xb = x + i * QK;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        sum += xb[j];
+      }
+      const float scale = amax / 127.f;
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
+      int8_t* qb = q.data() + i * QK;
+      for (int j = 0; j < QK; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      d[i] = scale;
+      s[i] = sum;
+    }
+  }
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// One weight row against one quantized activation row: sum over pairs of blocks.
+inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const float* sx, int64_t pairs) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m128 mins = _mm_setzero_ps();
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  // lanes 0-7 take block 2i's scale, 8-15 block 2i + 1's
+  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 8));
+    const __m512i q = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), low_mask);
+    const __m512i x = _mm512_loadu_si512(qx + p * 64);
+    const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+    const __m128 halves = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair)));  // d0 d1 m0 m1
+    const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + 2 * p)));    // dx0 dx1
+    const __m128 sums = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sx + 2 * p)));  // sx0 sx1
+    const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(halves, xs)));
+    acc[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[p & 1]);
+    mins = _mm_fmadd_ps(_mm_movehl_ps(halves, halves), sums, mins);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(mins) +
+         _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1));
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 8));
+    const __m256i q[2] = {_mm256_and_si256(packed, low_mask), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask)};
+    for (int b = 0; b < 2; ++b) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + p * 64 + b * 32));
+      // 15 * 127 * 2 fits in int16: maddubs cannot saturate here.
+      const __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(q[b], x), ones);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(half_to_float(pair + 2 * b) * dx[2 * p + b]), acc);
+      mins += half_to_float(pair + 4 + 2 * b) * sx[2 * p + b];
+    }
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h) + mins;
+#else
+  float total = 0.f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    const int8_t* xb = qx + p * 64;
+    int32_t low = 0, high = 0;
+    for (int j = 0; j < 32; ++j) {
+      low += (pair[8 + j] & 15) * xb[j];
+      high += (pair[8 + j] >> 4) * xb[j + 32];
+    }
+    total += half_to_float(pair) * dx[2 * p] * low + half_to_float(pair + 2) * dx[2 * p + 1] * high +
+             half_to_float(pair + 4) * sx[2 * p] + half_to_float(pair + 6) * sx[2 * p + 1];
+  }
+  return total;
+#endif
+}
+
+// The same row against fp32 activations x (sx: each block's sum of x): per block
+// d * sum(q x) + m * sum(x), q widened to fp32. A few more instructions a weight
+// than the Q8 path, and no activation rounding.
+inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int64_t pairs) {
+#if defined(__AVX512F__)
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m128 mins = _mm_setzero_ps();
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    const float* xp = x + p * 64;
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 8));
+    const __m256i q[2] = {_mm256_and_si256(packed, low_mask), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask)};
+    const __m128 halves = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair)));  // d0 d1 m0 m1
+    for (int b = 0; b < 2; ++b) {
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q[b])));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q[b], 1)));
+      const __m512 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 32 * b + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xp + 32 * b)));
+      const __m512 d = _mm512_broadcastss_ps(b == 0 ? halves : _mm_movehdup_ps(halves));
+      acc[b] = _mm512_fmadd_ps(s, d, acc[b]);
+    }
+    const __m128 sums = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sx + 2 * p)));
+    mins = _mm_fmadd_ps(_mm_movehl_ps(halves, halves), sums, mins);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(mins) +
+         _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1));
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    for (int b = 0; b < 2; ++b) {
+      __m256 s = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {  // 8 weights at a time
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 + 8 * c));
+        const __m128i nib = _mm_and_si128(b == 0 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), _mm256_loadu_ps(x + p * 64 + 32 * b + 8 * c), s);
+      }
+      acc = _mm256_fmadd_ps(s, _mm256_set1_ps(half_to_float(pair + 2 * b)), acc);
+      mins += half_to_float(pair + 4 + 2 * b) * sx[2 * p + b];
+    }
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h) + mins;
+#else
+  float total = 0.f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    float low = 0.f, high = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      low += (pair[8 + j] & 15) * x[p * 64 + j];
+      high += (pair[8 + j] >> 4) * x[p * 64 + 32 + j];
+    }
+    total += half_to_float(pair) * low + half_to_float(pair + 2) * high + half_to_float(pair + 4) * sx[2 * p] +
+             half_to_float(pair + 6) * sx[2 * p + 1];
+  }
+  return total;
+#endif
+}
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
+void q4_gemm(const Activations& x, const Q4Matrix& w, float* y) {
+  const int64_t pairs = w.k / 64, row_bytes = pairs * PAIR_BYTES, blocks = w.k / QK;
+  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w.pairs + n * row_bytes;
+      const float bias = w.bias ? w.bias[n] : 0.f;
+      for (int64_t r = 0; r < x.m; ++r)
+        y[r * w.n + n] = (x.q8 ? dot_row(row, x.q.data() + r * w.k, x.d.data() + r * blocks,
+                                         x.s.data() + r * blocks, pairs)
+                               : dot_row_f32(row, x.f.data() + r * w.k, x.s.data() + r * blocks, pairs)) + bias;
+    }
+  });
+}
+
+void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t d, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / d + eps);
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = xr[i] * inv * weight[i];
+  }
+}
+
+// HF's rotate-half RoPE on `heads` heads of width hd at the start of each row.
+void rope(float* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * hd;
+    const float* s = sin + r * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * row_stride + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+template <typename KV>
+void write_kv(const float* qkv, int64_t rows, int64_t row_stride, int64_t k_offset, int64_t kv_width,
+              const int64_t* slots, KV* kpool, KV* vpool) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* k = qkv + r * row_stride + k_offset;
+    const float* v = k + kv_width;
+    KV* kd = kpool + slots[r] * kv_width;
+    KV* vd = vpool + slots[r] * kv_width;
+    for (int64_t i = 0; i < kv_width; ++i) {
+      kd[i] = static_cast<KV>(k[i]);
+      vd[i] = static_cast<KV>(v[i]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's upper half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// q . k over hd values (q fp32), and acc += p * v.
+template <typename KV>
+inline float dot(const float* q, const KV* k, int64_t hd) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), s);
+    return _mm512_reduce_add_ps(s);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < hd; ++i) s += q[i] * to_float(k[i]);
+  return s;
+}
+
+template <typename KV>
+inline void add_scaled(float* acc, float p, const KV* v, int64_t hd) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < hd; i += 16)
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(acc + i)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < hd; ++i) acc[i] += p * to_float(v[i]);
+}
+
+// Each new token t (row t / tokens_per_row) attends over the first context_lens[t]
+// positions of its row, read through the row's block table; fp32 math.
+// Flash-decoding split: a token's context is cut into `parts` spans, each span
+// read once for all heads (a position's K/V rows of every head are contiguous in
+// the pool, so a span streams), and the spans' softmax partials merged after.
+template <typename KV>
+void attend(const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads, int64_t hd,
+            const KV* kpool, const KV* vpool, const int32_t* tables, int64_t table_width,
+            const int32_t* context_lens, int64_t tokens_per_row, int64_t block_size, float* out) {
+  const int64_t group = heads / kv_heads, kv_stride = kv_heads * hd;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  int64_t longest = 1;
+  for (int64_t t = 0; t < rows; ++t) longest = std::max<int64_t>(longest, context_lens[t]);
+  // spans of at least 64 positions, whole blocks, enough of them to keep every thread busy
+  const int64_t want = std::max<int64_t>(1, 2 * at::get_num_threads() / std::max<int64_t>(1, rows));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, longest / 64));
+  const int64_t span = (longest + parts - 1) / parts;
+  const int64_t span_blocks = (span + block_size - 1) / block_size;
+  std::vector<float> part_max(rows * parts * heads, -INFINITY), part_sum(rows * parts * heads, 0.f);
+  std::vector<float> part_acc(rows * parts * heads * hd, 0.f);
+
+  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(heads * hd), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / parts, part = item % parts;
+      const int64_t n = context_lens[t];
+      const int64_t first = part * span_blocks * block_size, last = std::min(n, first + span_blocks * block_size);
+      if (first >= last) continue;
+      const int64_t count = last - first;
+      const int32_t* table = tables + (t / tokens_per_row) * table_width;
+      for (int64_t i = 0; i < heads * hd; ++i) q[i] = qkv[t * row_stride + i] * scale;
+      scores.resize(heads * count);
+      for (int64_t j0 = first; j0 < last; j0 += block_size) {
+        const int64_t base = static_cast<int64_t>(table[j0 / block_size]) * block_size * kv_stride;
+        const KV* k = kpool + base;
+        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, k += kv_stride)
+          for (int64_t h = 0; h < heads; ++h)
+            scores[h * count + (j - first)] = dot(q.data() + h * hd, k + (h / group) * hd, hd);
+      }
+      float* m = part_max.data() + item * heads;
+      float* l = part_sum.data() + item * heads;
+      float* acc = part_acc.data() + item * heads * hd;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sc = scores.data() + h * count;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) top = std::max(top, sc[j]);
+        float total = 0.f;
+        for (int64_t j = 0; j < count; ++j) {
+          sc[j] = std::exp(sc[j] - top);
+          total += sc[j];
+        }
+        m[h] = top;
+        l[h] = total;
+      }
+      for (int64_t j0 = first; j0 < last; j0 += block_size) {
+        const int64_t base = static_cast<int64_t>(table[j0 / block_size]) * block_size * kv_stride;
+        const KV* v = vpool + base;
+        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, v += kv_stride)
+          for (int64_t h = 0; h < heads; ++h)
+            add_scaled(acc + h * hd, scores[h * count + (j - first)], v + (h / group) * hd, hd);
+      }
+    }
+  });
+
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_max[(t * parts + p) * heads + h]);
+      float* o = out + t * heads * hd + h * hd;
+      std::fill(o, o + hd, 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (t * parts + p) * heads + h;
+        if (part_sum[at] == 0.f) continue;
+        const float w = std::exp(part_max[at] - top);
+        total += w * part_sum[at];
+        const float* a = part_acc.data() + at * hd;
+        for (int64_t i = 0; i < hd; ++i) o[i] += w * a[i];
+      }
+      for (int64_t i = 0; i < hd; ++i) o[i] /= total;
+    }
+}
+
+Q4Matrix matrix(const torch::Tensor& pairs, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(pairs.dtype() == torch::kUInt8 && pairs.dim() == 3 && pairs.size(2) == PAIR_BYTES &&
+              pairs.is_contiguous(), "q4 weights: a contiguous uint8 [n, k / 64, 40] tensor");
+  return {pairs.data_ptr<uint8_t>(), bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
+          pairs.size(0), pairs.size(1) * 64};
+}
+
+}  // namespace
+
+// One layer's weights, held for the model's life.
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  torch::Tensor qkv, o, gate_up, down;  // q4 pairs of blocks
+  c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+};
+
+class FusedLayers {
+ public:
+  // q8: activations quantized to 8 bits for the 4-bit GEMMs (llama.cpp's math), else fp32.
+  FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool q8)
+      : heads_(heads), kv_heads_(kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), q8_(q8) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o,
+                 c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
+                 c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                 c10::optional<torch::Tensor> down_bias) {
+    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down, qkv_bias, o_bias,
+                       gate_up_bias, down_bias});
+  }
+
+  // x [tokens, d] fp32, updated in place; cos/sin [tokens, head_dim]; slots [tokens] int64;
+  // tables [rows, width] int32; context_lens [tokens] int32; kpool/vpool this layer's [slots, kv_heads, head_dim].
+  void forward(int64_t index, torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+               torch::Tensor tables, torch::Tensor context_lens, int64_t tokens_per_row, torch::Tensor kpool,
+               torch::Tensor vpool, int64_t block_size) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
+    TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous(), "K/V pools: contiguous");
+    const Layer& L = layers_.at(index);
+    const int64_t tokens = x.size(0), d = x.size(1);
+    const int64_t q_width = heads_ * hd_, kv_width = kv_heads_ * hd_, qkv_width = q_width + 2 * kv_width;
+    const Q4Matrix qkv = matrix(L.qkv, L.qkv_bias), o = matrix(L.o, L.o_bias);
+    const Q4Matrix gate_up = matrix(L.gate_up, L.gate_up_bias), down = matrix(L.down, L.down_bias);
+    const int64_t ffn = gate_up.n / 2;
+
+    float* h = x.data_ptr<float>();
+    std::vector<float> normed(tokens * d), qkv_out(tokens * qkv_width), attended(tokens * q_width);
+    std::vector<float> projected(tokens * std::max(d, gate_up.n));
+    Activations acts;
+    acts.q8 = q8_;
+
+    rms_norm(h, L.input_norm.data_ptr<float>(), eps_, tokens, d, normed.data());
+    acts.quantize(normed.data(), tokens, d);
+    q4_gemm(acts, qkv, qkv_out.data());
+    rope(qkv_out.data(), tokens, qkv_width, heads_ + kv_heads_, hd_, cos.data_ptr<float>(), sin.data_ptr<float>());
+
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* table = tables.data_ptr<int32_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    auto run = [&](auto zero) {
+      using scalar_t = decltype(zero);
+      write_kv<scalar_t>(qkv_out.data(), tokens, qkv_width, q_width, kv_width, slot, kpool.data_ptr<scalar_t>(),
+                         vpool.data_ptr<scalar_t>());
+      attend<scalar_t>(qkv_out.data(), tokens, qkv_width, heads_, kv_heads_, hd_, kpool.data_ptr<scalar_t>(),
+                       vpool.data_ptr<scalar_t>(), table, tables.size(1), lens, tokens_per_row, block_size,
+                       attended.data());
+        };
+    switch (kpool.scalar_type()) {
+      case at::kFloat: run(float{}); break;
+      case at::kBFloat16: run(c10::BFloat16{}); break;
+      case at::kHalf: run(c10::Half{}); break;
+      default: TORCH_CHECK(false, "K/V pool: fp32, bf16 or fp16, not ", kpool.scalar_type());
+    }
+
+    acts.quantize(attended.data(), tokens, q_width);
+    q4_gemm(acts, o, projected.data());
+    for (int64_t i = 0; i < tokens * d; ++i) h[i] += projected[i];
+
+    rms_norm(h, L.post_norm.data_ptr<float>(), eps_, tokens, d, normed.data());
+    acts.quantize(normed.data(), tokens, d);
+    q4_gemm(acts, gate_up, projected.data());
+    std::vector<float> gated(tokens * ffn);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* g = projected.data() + t * gate_up.n;
+      for (int64_t i = 0; i < ffn; ++i) gated[t * ffn + i] = g[i] / (1.f + std::exp(-g[i])) * g[ffn + i];
+    }
+    acts.quantize(gated.data(), tokens, ffn);
+    q4_gemm(acts, down, projected.data());
+    for (int64_t i = 0; i < tokens * d; ++i) h[i] += projected[i];
+  }
+
+ private:
+  int64_t heads_, kv_heads_, hd_;
+  float eps_;
+  bool q8_;
+  std::vector<Layer> layers_;
+};
+
+// x [m, k] fp32 times a q4 matrix: for tests and for projections outside the layers.
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor pairs, c10::optional<torch::Tensor> bias, bool q8) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: fp32 [m, k]");
+  x = x.contiguous();
+  const Q4Matrix w = matrix(pairs, bias);
+  TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " columns, the weights ", w.k);
+  Activations acts;
+  acts.q8 = q8;
+  acts.quantize(x.data_ptr<float>(), x.size(0), x.size(1));
+  auto y = torch::empty({x.size(0), w.n}, x.options());
+  q4_gemm(acts, w, y.data_ptr<float>());
+  return y;
+}
+
+// Attention alone (tests): q [tokens, heads, head_dim] fp32 over the pools [slots, kv_heads, head_dim].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool, torch::Tensor tables,
+                              torch::Tensor context_lens, int64_t tokens_per_row, int64_t block_size) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "q: fp32 [tokens, heads, head_dim]");
+  q = q.contiguous();
+  const int64_t tokens = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = kpool.size(1);
+  auto out = torch::empty_like(q);
+  auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    attend<scalar_t>(q.data_ptr<float>(), tokens, heads * hd, heads, kv_heads, hd, kpool.data_ptr<scalar_t>(),
+                     vpool.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
+                     context_lens.data_ptr<int32_t>(), tokens_per_row, block_size, out.data_ptr<float>());
+  };
+  switch (kpool.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "K/V pool: fp32, bf16 or fp16, not ", kpool.scalar_type());
+  }
+  return out;
+}
+
+std::string simd() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512-vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<FusedLayers>(m, "FusedLayers")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool>())
+      .def("add_layer", &FusedLayers::add_layer)
+      .def("forward", &FusedLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q4_linear", &q4_linear);
+  m.def("paged_attention", &paged_attention);
+  m.def("simd", &simd);
+}

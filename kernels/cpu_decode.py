@@ -1,0 +1,125 @@
+"""The fused CPU layer (cpu_decode.cpp): built once per machine, and the 4-bit
+weights packed for it.
+
+A pass of a few new tokens on a CPU (decode, verify, a keystroke's short
+prefill) runs each decoder layer as one C++ call instead of ~15 torch ops.
+Weights are GGUF Q4_1 blocks (`pack_q4`); activations are quantized to 8 bits
+per block of 32 for the integer dot products, as llama.cpp's CPU backend does.
+`q4_linear_reference` is the same math in plain torch.
+
+The extension is compiled with -march=native into the completer cache
+(keyed by the source, torch, Python and this CPU's flags), so the first start
+on a machine spends some seconds in the C++ compiler; without one,
+`extension()` raises FusedUnavailable and the engine runs torch's ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+QK = 32  # weights per Q4_1 block
+PAIR_BYTES = 40  # two blocks: fp16 scales, fp16 minimums, 32 bytes of nibbles
+
+_lock = threading.Lock()
+_built: dict[str, object] = {}
+
+
+class FusedUnavailable(RuntimeError):
+    """The fused layer cannot be built or used here (one line: why)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_directory() -> Path:
+    from completer.model_store import cache_dir
+
+    key = hashlib.sha256(b"\0".join(x.encode() for x in (
+        SOURCE.read_text(), torch.__version__, sys.version, platform.machine(), _cpu_flags()))).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_decode-{key}"
+
+
+def built() -> bool:
+    """Whether this machine already has the compiled module (a start then loads it in a moment)."""
+    return "module" in _built or (build_directory() / "completer_cpu_decode.so").is_file()
+
+
+def extension():
+    """The compiled module (cached in-process and on disk)."""
+    with _lock:
+        if "module" in _built:
+            return _built["module"]
+        if "error" in _built:
+            raise FusedUnavailable(_built["error"])
+        try:
+            from torch.utils import cpp_extension
+
+            out = build_directory()
+            out.mkdir(parents=True, exist_ok=True)
+            module = cpp_extension.load(
+                name="completer_cpu_decode", sources=[str(SOURCE)], build_directory=str(out),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=bool(os.environ.get("COMPLETER_VERBOSE_BUILD")))
+        except Exception as e:  # no compiler, no ninja, a compile error: the torch path serves
+            text = f"{e}\n{e.__cause__ or ''}".strip().splitlines() or [type(e).__name__]
+            first = next((line for line in text if "error:" in line), text[-1])
+            _built["error"] = f"the fused CPU layer could not be built ({type(e).__name__}: {first[:200]})"
+            raise FusedUnavailable(_built["error"]) from e
+        _built["module"] = module
+        return module
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout [N, K / 64, 40] from q (0..15) [N, K], scale and minimum
+    [N, K / 32] (w = q * scale + low): per pair of blocks, fp16 scales d0 d1, fp16
+    minimums m0 m1, then 32 bytes whose byte j holds q[j] (low nibble) and q[j + 32]."""
+    N, K = q.shape
+    if K % 64:
+        raise ValueError(f"q4 pairs: input width {K} is not a multiple of 64")
+    q = q.to(torch.uint8).view(N, K // 64, 64)
+    nibbles = q[..., :32] | (q[..., 32:] << 4)
+    header = torch.cat((scale.half().view(N, -1, 2), low.half().view(N, -1, 2)), -1).contiguous()
+    return torch.cat((header.view(torch.uint8), nibbles), -1).contiguous()
+
+
+def unpack_q4(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4's inverse: (q [N, K], scale, minimum [N, K / 32]) as fp32."""
+    N, P, _ = pairs.shape
+    header = pairs[..., :8].contiguous().view(torch.float16).float()  # [N, P, 4]
+    nib = pairs[..., 8:]
+    q = torch.cat((nib & 15, nib >> 4), -1).reshape(N, P * 64).float()
+    return q, header[..., :2].reshape(N, -1), header[..., 2:].reshape(N, -1)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] as int8 blocks of 32 with one scale each (largest magnitude -> 127)."""
+    blocks = x.float().view(x.shape[0], -1, QK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round()
+    return q, scale
+
+
+def q4_linear_reference(x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the extension's 4-bit GEMM computes, in plain torch (tests): per block,
+    scale * dx * sum(q * qx) + minimum * sum(x)."""
+    q, scale, low = unpack_q4(pairs)
+    N, G = scale.shape
+    qx, dx = quantize_q8(x)  # [M, G, 32], [M, G, 1]
+    dots = torch.einsum("mgj,ngj->mng", qx, q.view(N, G, QK))
+    sums = x.float().view(x.shape[0], G, QK).sum(-1)  # [M, G]
+    y = (dots * dx[..., 0][:, None, :] * scale).sum(-1) + (sums[:, None, :] * low).sum(-1)
+    return y if bias is None else y + bias

@@ -1,0 +1,145 @@
+"""The fused CPU layer (kernels/cpu_decode.cpp, engine/fused_cpu.py): its 4-bit
+GEMM and its paged attention equal their plain-torch references, and the engine
+decodes through it the same greedy text as the fp32 reference path."""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from completer.cpu_quant import Int4Linear, int4_groups
+from completer.engine.attention import AttentionMetadata, PassInterrupted, TorchAttention
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.engine import Engine
+from completer.engine.fused_cpu import FusedCpuLayers, FusedUnsupported, fused_layers_for
+from completer.engine.model_runner import ModelRunner
+from completer.engine.paged_kv import KVPool
+from completer.engine.request import Request, SamplingParams
+from completer.engine.sequence import CacheState
+from completer.loading import load
+from completer.model import ModelConfig
+from completer.model_store import EMBEDDED_TARGET
+from completer_kernels import cpu_decode
+
+PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return cpu_decode.extension()  # a compiler is part of the test machine (.ci/run)
+
+
+@pytest.fixture(scope="module")
+def int4():
+    return load(EMBEDDED_TARGET, "int4")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same int4 weights multiplied in fp32 by torch's ops (no activation rounding)."""
+    ref = load(EMBEDDED_TARGET, "int4")
+    for m in ref.model.modules():
+        if isinstance(m, Int4Linear):
+            m.compute_dtype = torch.float32
+            m.keep_dense(1)
+    return ref
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(ext, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(200, 320) * 0.05
+    q, scale, low = int4_groups(w)
+    pairs = cpu_decode.pack_q4(q, scale, low)
+    back = cpu_decode.unpack_q4(pairs)
+    assert torch.equal(back[0], q.float()) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    x, bias = torch.randn(rows, 320), torch.randn(200)
+    torch.testing.assert_close(ext.q4_linear(x, pairs, bias, True), cpu_decode.q4_linear_reference(x, pairs, bias),
+                               atol=1e-4, rtol=1e-5)
+    dense = (q.float().view(200, -1, 32) * scale[..., None] + low[..., None]).view(200, 320)
+    torch.testing.assert_close(ext.q4_linear(x, pairs, bias, False), x @ dense.T + bias, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_decode.pack_q4(*int4_groups(torch.randn(8, 96)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,new,start", [(1, 1, 700), (1, 4, 37), (3, 3, 130), (2, 1, 0)])
+def test_paged_attention_equals_sdpa_over_scattered_blocks(ext, dtype, rows, new, start):
+    torch.manual_seed(start + rows)
+    cfg = ModelConfig("LlamaForCausalLM", 16, 576, 1536, 1, 9, 3, 64, 2048)
+    pool = KVPool(cfg, 700, 4)
+    pool.k, pool.v = pool.k.normal_().to(dtype), pool.v.normal_().to(dtype)
+    tables = [torch.randperm(699)[:230].add(1).tolist() for _ in range(rows)]  # blocks anywhere, any order
+    meta = AttentionMetadata.build(tables, [start + 5 * r for r in range(rows)], [new] * rows, 4)
+    q, k, v = torch.randn(rows, 9, new, 64) * 2, torch.randn(rows, 3, new, 64), torch.randn(rows, 3, new, 64)
+    want = TorchAttention(pool, meta).attend(0, q, k, v, meta.positions)  # writes this pass's K/V too
+    got = ext.paged_attention(q.transpose(1, 2).reshape(rows * new, 9, 64), pool.k[0], pool.v[0],
+                              meta.block_tables, meta.context_lens, new, 4)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(rows * new, 9, 64), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_pass_writes_the_same_kv_and_hidden_states_as_the_reference(int4, reference):
+    ref = reference
+    fused = FusedCpuLayers(int4.model)
+    tokens = torch.tensor([int4.tokenizer.encode(PROMPT)[:12]] * 2)
+    tokens[1] = tokens[1].flip(0)
+    tables = [[3, 9, 1], [7, 2, 8]]
+    meta = AttentionMetadata.build(tables, [0, 0], [12, 12], 4)
+    pools = [KVPool(int4.model.config, 10, 4) for _ in range(2)]
+    with torch.inference_mode():
+        want = ref.model.hidden_states(tokens, meta.positions, TorchAttention(pools[0], meta))
+        got = fused.hidden_states(tokens, meta, pools[1])
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(pools[1].k, pools[0].k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pools[1].v, pools[0].v, atol=1e-4, rtol=1e-4)
+
+
+def greedy_text(loaded, fused: bool, speculation: bool, n: int = 40) -> str:
+    async def go():
+        engine = Engine.build(loaded, None, EngineConfig(kv_cache_mb=16, fused_cpu=fused),
+                              SpecConfig(ngram=speculation, draft_model=False, adaptive=False, k_init=4))
+        engine.start()
+        try:
+            stream = engine.submit(Request("r", loaded.tokenizer.encode(PROMPT),
+                                           SamplingParams(max_tokens=n, mode="free")))
+            return (await stream.finished()).text
+        finally:
+            engine.stop()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("speculation", [False, True], ids=["decode", "n-gram verify"])
+def test_the_engine_decodes_through_the_fused_layer_what_the_fp32_reference_decodes(int4, reference,
+                                                                                    speculation):
+    assert fused_layers_for(int4.model) is not None
+    want = greedy_text(reference, fused=False, speculation=speculation)
+    assert greedy_text(int4, fused=True, speculation=speculation) == want
+
+
+def test_an_interrupted_fused_pass_gives_up_and_leaves_the_sequence_where_it_was(int4):
+    runner = ModelRunner(int4.model, KVPool(int4.model.config, 16, 4), fused=FusedCpuLayers(int4.model))
+    state = CacheState()
+    state.table, state.computed = [1, 2, 3], 0
+    asked = []
+    with pytest.raises(PassInterrupted):
+        runner.execute([state], [[5, 6, 7]], interrupted=lambda: asked.append(1) or len(asked) > 2)
+    assert state.computed == 0 and len(asked) == 3
+
+
+def test_a_model_the_fused_layer_cannot_run_serves_through_torch(caplog):
+    fp32 = load(EMBEDDED_TARGET, "fp32")
+    with pytest.raises(FusedUnsupported, match="int4"):
+        FusedCpuLayers(fp32.model)
+    with caplog.at_level(logging.INFO, logger="completer.engine"):
+        assert fused_layers_for(fp32.model) is None
+    assert "passes run through torch's ops" in caplog.text
+    assert greedy_text(fp32, fused=True, speculation=False, n=8)  # and it still serves
+
+
+def test_no_compiler_means_the_torch_path_with_one_line_saying_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_decode, "_built", {"error": "the fused CPU layer could not be built (no c++)"})
+    model = load(EMBEDDED_TARGET, "int4").model
+    with caplog.at_level(logging.INFO, logger="completer.engine"):
+        assert fused_layers_for(model) is None
+    assert "could not be built (no c++)" in caplog.text
