@@ -84,6 +84,11 @@ class Int8Linear(nn.Module):
         span[0, :2] = torch.tensor([-1.0, 1.0])
         self.register_buffer("span_row", span)
 
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as int8 [N, K] and their scale per output channel (fp32 [N])."""
+        qw, _ = torch.ops.quantized.linear_unpack(_PACKED[self.index])
+        return qw.int_repr(), qw.q_per_channel_scales().float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
         rows = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)

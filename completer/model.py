@@ -320,9 +320,10 @@ class Transformer(nn.Module):
             x = after(layer, x, layer.self_attn.attend(q, k, v, tokens.shape, positions, backend))
         return self.model.norm(x).view(*tokens.shape, -1)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the full vocabulary from final hidden states [..., D]."""
-        out = self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
+        """fp32 logits over the full vocabulary from final hidden states [..., D]
+        (`head`: another implementation of lm_head's product)."""
+        out = (head or self.lm_head)(hidden).float()
         if not self.config.head_vocab_size:
             return out
         full = out.new_full((*out.shape[:-1], self.config.vocab_size), float("-inf"))

@@ -15,14 +15,16 @@
 // sum(x) is taken from the unquantized activations.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
+
+#include "cpu_workers.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -217,9 +219,12 @@ inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int6
 }
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
-void q4_gemm(const Activations& x, const Q4Matrix& w, float* y) {
+void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
   const int64_t pairs = w.k / 64, row_bytes = pairs * PAIR_BYTES, blocks = w.k / QK;
-  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+  // A few long runs of rows per thread: the prefetcher streams a run, and a
+  // thread that lost its core holds up only the run it took.
+  const int64_t grain = std::max<int64_t>(32, w.n / (4 * workers.threads()));
+  workers.run(w.n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w.pairs + n * row_bytes;
       const float bias = w.bias ? w.bias[n] : 0.f;
@@ -228,6 +233,41 @@ void q4_gemm(const Activations& x, const Q4Matrix& w, float* y) {
                                          x.s.data() + r * blocks, pairs)
                                : dot_row_f32(row, x.f.data() + r * w.k, x.s.data() + r * blocks, pairs)) + bias;
     }
+  });
+}
+
+// The output head: int8 weights with a scale per row, fp32 activations.
+inline float dot_i8(const int8_t* w, const float* x, int64_t k) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (; i + 32 <= k; i += 32)
+    for (int h = 0; h < 2; ++h) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16 * h));
+      acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_loadu_ps(x + i + 16 * h), acc[h]);
+    }
+  total = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(x + i), acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  total = _mm_cvtss_f32(h);
+#endif
+  for (; i < k; ++i) total += w[i] * x[i];
+  return total;
+}
+
+void i8_gemm(Workers& workers, const float* x, int64_t m, const int8_t* w, const float* scale, int64_t n, int64_t k,
+             float* y) {
+  workers.run(n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t r = 0; r < m; ++r) y[r * n + row] = scale[row] * dot_i8(w + row * k, x + r * k, k);
   });
 }
 
@@ -322,7 +362,8 @@ inline void add_scaled(float* acc, float p, const KV* v, int64_t hd) {
 // read once for all heads (a position's K/V rows of every head are contiguous in
 // the pool, so a span streams), and the spans' softmax partials merged after.
 template <typename KV>
-void attend(const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads, int64_t hd,
+void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads,
+            int64_t hd,
             const KV* kpool, const KV* vpool, const int32_t* tables, int64_t table_width,
             const int32_t* context_lens, int64_t tokens_per_row, int64_t block_size, float* out) {
   const int64_t group = heads / kv_heads, kv_stride = kv_heads * hd;
@@ -330,14 +371,14 @@ void attend(const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, i
   int64_t longest = 1;
   for (int64_t t = 0; t < rows; ++t) longest = std::max<int64_t>(longest, context_lens[t]);
   // spans of at least 64 positions, whole blocks, enough of them to keep every thread busy
-  const int64_t want = std::max<int64_t>(1, 2 * at::get_num_threads() / std::max<int64_t>(1, rows));
+  const int64_t want = std::max<int64_t>(1, 2 * workers.threads() / std::max<int64_t>(1, rows));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, longest / 64));
   const int64_t span = (longest + parts - 1) / parts;
   const int64_t span_blocks = (span + block_size - 1) / block_size;
   std::vector<float> part_max(rows * parts * heads, -INFINITY), part_sum(rows * parts * heads, 0.f);
   std::vector<float> part_acc(rows * parts * heads * hd, 0.f);
 
-  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+  workers.run(rows * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads * hd), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / parts, part = item % parts;
@@ -418,8 +459,10 @@ struct Layer {
 class FusedLayers {
  public:
   // q8: activations quantized to 8 bits for the 4-bit GEMMs (llama.cpp's math), else fp32.
-  FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool q8)
-      : heads_(heads), kv_heads_(kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), q8_(q8) {}
+  // threads: the calling thread and threads - 1 helpers of its own.
+  FusedLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool q8, int64_t threads)
+      : heads_(heads), kv_heads_(kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)), q8_(q8),
+        workers_(std::make_unique<Workers>(static_cast<int>(std::max<int64_t>(threads, 1) - 1))) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o,
                  c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
@@ -427,6 +470,26 @@ class FusedLayers {
                  c10::optional<torch::Tensor> down_bias) {
     layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down, qkv_bias, o_bias,
                        gate_up_bias, down_bias});
+  }
+
+  // The output head: int8 weights [vocab, d] and a scale per row.
+  void set_head(torch::Tensor weight, torch::Tensor scale) {
+    TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2 && scale.dtype() == torch::kFloat32 &&
+                scale.size(0) == weight.size(0), "head: int8 [vocab, d] and fp32 [vocab] scales");
+    head_weight_ = weight.contiguous();
+    head_scale_ = scale.contiguous();
+  }
+
+  // logits [m, vocab] of final hidden states x [m, d].
+  torch::Tensor head(torch::Tensor x) {
+    TORCH_CHECK(head_weight_.defined(), "no head set");
+    x = x.contiguous();
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == head_weight_.size(1),
+                "head input: fp32 [m, d]");
+    auto y = torch::empty({x.size(0), head_weight_.size(0)}, x.options());
+    i8_gemm(*workers_, x.data_ptr<float>(), x.size(0), head_weight_.data_ptr<int8_t>(), head_scale_.data_ptr<float>(),
+            head_weight_.size(0), head_weight_.size(1), y.data_ptr<float>());
+    return y;
   }
 
   // x [tokens, d] fp32, updated in place; cos/sin [tokens, head_dim]; slots [tokens] int64;
@@ -451,7 +514,7 @@ class FusedLayers {
 
     rms_norm(h, L.input_norm.data_ptr<float>(), eps_, tokens, d, normed.data());
     acts.quantize(normed.data(), tokens, d);
-    q4_gemm(acts, qkv, qkv_out.data());
+    q4_gemm(*workers_, acts, qkv, qkv_out.data());
     rope(qkv_out.data(), tokens, qkv_width, heads_ + kv_heads_, hd_, cos.data_ptr<float>(), sin.data_ptr<float>());
 
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -461,7 +524,7 @@ class FusedLayers {
       using scalar_t = decltype(zero);
       write_kv<scalar_t>(qkv_out.data(), tokens, qkv_width, q_width, kv_width, slot, kpool.data_ptr<scalar_t>(),
                          vpool.data_ptr<scalar_t>());
-      attend<scalar_t>(qkv_out.data(), tokens, qkv_width, heads_, kv_heads_, hd_, kpool.data_ptr<scalar_t>(),
+      attend<scalar_t>(*workers_, qkv_out.data(), tokens, qkv_width, heads_, kv_heads_, hd_, kpool.data_ptr<scalar_t>(),
                        vpool.data_ptr<scalar_t>(), table, tables.size(1), lens, tokens_per_row, block_size,
                        attended.data());
         };
@@ -473,19 +536,19 @@ class FusedLayers {
     }
 
     acts.quantize(attended.data(), tokens, q_width);
-    q4_gemm(acts, o, projected.data());
+    q4_gemm(*workers_, acts, o, projected.data());
     for (int64_t i = 0; i < tokens * d; ++i) h[i] += projected[i];
 
     rms_norm(h, L.post_norm.data_ptr<float>(), eps_, tokens, d, normed.data());
     acts.quantize(normed.data(), tokens, d);
-    q4_gemm(acts, gate_up, projected.data());
+    q4_gemm(*workers_, acts, gate_up, projected.data());
     std::vector<float> gated(tokens * ffn);
     for (int64_t t = 0; t < tokens; ++t) {
       const float* g = projected.data() + t * gate_up.n;
       for (int64_t i = 0; i < ffn; ++i) gated[t * ffn + i] = g[i] / (1.f + std::exp(-g[i])) * g[ffn + i];
     }
     acts.quantize(gated.data(), tokens, ffn);
-    q4_gemm(acts, down, projected.data());
+    q4_gemm(*workers_, acts, down, projected.data());
     for (int64_t i = 0; i < tokens * d; ++i) h[i] += projected[i];
   }
 
@@ -493,10 +556,18 @@ class FusedLayers {
   int64_t heads_, kv_heads_, hd_;
   float eps_;
   bool q8_;
+  std::unique_ptr<Workers> workers_;
   std::vector<Layer> layers_;
+  torch::Tensor head_weight_, head_scale_;
 };
 
-// x [m, k] fp32 times a q4 matrix: for tests and for projections outside the layers.
+// The pieces alone (tests) share two threads.
+Workers& test_workers() {
+  static Workers workers(1);
+  return workers;
+}
+
+// x [m, k] fp32 times a q4 matrix.
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor pairs, c10::optional<torch::Tensor> bias, bool q8) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: fp32 [m, k]");
   x = x.contiguous();
@@ -506,7 +577,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor pairs, c10::optional<torc
   acts.q8 = q8;
   acts.quantize(x.data_ptr<float>(), x.size(0), x.size(1));
   auto y = torch::empty({x.size(0), w.n}, x.options());
-  q4_gemm(acts, w, y.data_ptr<float>());
+  q4_gemm(test_workers(), acts, w, y.data_ptr<float>());
   return y;
 }
 
@@ -519,7 +590,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kpool, torch::Tenso
   auto out = torch::empty_like(q);
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
-    attend<scalar_t>(q.data_ptr<float>(), tokens, heads * hd, heads, kv_heads, hd, kpool.data_ptr<scalar_t>(),
+    attend<scalar_t>(test_workers(), q.data_ptr<float>(), tokens, heads * hd, heads, kv_heads, hd, kpool.data_ptr<scalar_t>(),
                      vpool.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
                      context_lens.data_ptr<int32_t>(), tokens_per_row, block_size, out.data_ptr<float>());
   };
@@ -544,8 +615,10 @@ std::string simd() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedLayers>(m, "FusedLayers")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, int64_t>())
       .def("add_layer", &FusedLayers::add_layer)
+      .def("set_head", &FusedLayers::set_head)
+      .def("head", &FusedLayers::head, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &FusedLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_linear", &q4_linear);
   m.def("paged_attention", &paged_attention);

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HEADERS = (Path(__file__).with_name("cpu_workers.h"),)
 QK = 32  # weights per Q4_1 block
 PAIR_BYTES = 40  # two blocks: fp16 scales, fp16 minimums, 32 bytes of nibbles
 
@@ -50,7 +51,7 @@ def build_directory() -> Path:
     from completer.model_store import cache_dir
 
     key = hashlib.sha256(b"\0".join(x.encode() for x in (
-        SOURCE.read_text(), torch.__version__, sys.version, platform.machine(), _cpu_flags()))).hexdigest()[:16]
+        SOURCE.read_text(), *(h.read_text() for h in HEADERS), torch.__version__, sys.version, platform.machine(), _cpu_flags()))).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_decode-{key}"
 
 

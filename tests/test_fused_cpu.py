@@ -37,12 +37,16 @@ def int4():
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same int4 weights multiplied in fp32 by torch's ops (no activation rounding)."""
+    """The same int4 projections and int8 head multiplied in fp32 by torch's ops
+    (no activation rounding)."""
     ref = load(EMBEDDED_TARGET, "int4")
     for m in ref.model.modules():
         if isinstance(m, Int4Linear):
             m.compute_dtype = torch.float32
             m.keep_dense(1)
+    weight, scale = ref.model.lm_head.int8_weight()
+    ref.model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    ref.model.lm_head.weight.data = weight.float() * scale[:, None]
     return ref
 
 
@@ -79,9 +83,12 @@ def test_paged_attention_equals_sdpa_over_scattered_blocks(ext, dtype, rows, new
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(rows * new, 9, 64), atol=1e-5, rtol=1e-5)
 
 
-def test_a_fused_pass_writes_the_same_kv_and_hidden_states_as_the_reference(int4, reference):
+def test_a_fused_pass_writes_the_same_kv_hidden_states_and_logits_as_the_reference(int4, reference):
     ref = reference
     fused = FusedCpuLayers(int4.model)
+    h = torch.randn(3, 512)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.head(h), ref.model.lm_head(h), atol=1e-4, rtol=1e-4)
     tokens = torch.tensor([int4.tokenizer.encode(PROMPT)[:12]] * 2)
     tokens[1] = tokens[1].flip(0)
     tables = [[3, 9, 1], [7, 2, 8]]
@@ -143,3 +150,11 @@ def test_no_compiler_means_the_torch_path_with_one_line_saying_why(monkeypatch, 
     with caplog.at_level(logging.INFO, logger="completer.engine"):
         assert fused_layers_for(model) is None
     assert "could not be built (no c++)" in caplog.text
+
+
+def test_the_layer_threads_start_and_stop_at_once_however_short_their_life(ext):
+    """A layer built and dropped at once (a model it cannot run) stops its helper
+    threads even when they had not yet started waiting (this hung once)."""
+    for _ in range(200):
+        layers = ext.FusedLayers(1, 1, 64, 1e-6, False, 2)
+        del layers

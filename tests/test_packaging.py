@@ -23,5 +23,5 @@ def test_the_wheel_carries_every_python_file_and_packaged_model(tmp_path):
     expected = {f"completer/{p.relative_to(ROOT / 'completer').as_posix()}"
                 for p in (ROOT / "completer").rglob("*") if p.suffix in (".py", ".html", ".safetensors")}
     expected |= {f"completer_kernels/{p.relative_to(ROOT / 'kernels').as_posix()}"
-                 for p in (ROOT / "kernels").rglob("*") if p.suffix in (".py", ".cpp")}
+                 for p in (ROOT / "kernels").rglob("*") if p.suffix in (".py", ".cpp", ".h")}
     assert sorted(expected - shipped) == []

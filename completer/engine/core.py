@@ -110,7 +110,7 @@ class EngineCore:
                 attention = "triton" if pool.device.type == "cuda" else "torch"
             fused = None
             if config.fused_cpu and pool.device.type == "cpu":
-                fused = fused_layers_for(model, config.fused_cpu_q8)
+                fused = fused_layers_for(model, config.fused_cpu_q8, config.decode_threads or config.threads)
             runners[role] = ModelRunner(model, pool, attention, config.cuda_graphs, fused)
             pools[role] = BlockManager(n, config.block_size, config.prefix_cache)
         kv = KVCacheManager(pools, spec.k_max + 1, moved_kv=config.reuse_moved_kv and remote is None)

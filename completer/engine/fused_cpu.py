@@ -14,12 +14,14 @@ GEMMs are Q4_1 x Q8, llama.cpp's CPU math.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
 
-from completer.cpu_quant import Int4Linear
+from completer.cpu_quant import Int4Linear, Int8Linear
 from completer.engine.attention import AttentionMetadata, PassInterrupted
 from completer.engine.paged_kv import KVPool
 from completer.model import Transformer
@@ -35,7 +37,7 @@ class FusedUnsupported(ValueError):
 class FusedCpuLayers:
     MAX_TOKENS = 32  # new tokens in a pass (all rows); more go through torch
 
-    def __init__(self, model: Transformer, q8: bool = False):
+    def __init__(self, model: Transformer, q8: bool = False, threads: int = 0):
         """q8: activations quantized to 8 bits per block of 32 for the GEMMs
         (llama.cpp's math: ~20% less GEMM time here, but the rounding of each
         activation moves logits: top-1 agreement with the fp32-activation path
@@ -48,7 +50,7 @@ class FusedCpuLayers:
         ext = extension()  # FusedUnavailable: no compiler here
         self.model = model
         self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                    cfg.rms_norm_eps, q8)
+                                    cfg.rms_norm_eps, q8, threads or torch.get_num_threads())
 
         def q4(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             if not isinstance(linear, Int4Linear):
@@ -66,6 +68,26 @@ class FusedCpuLayers:
             self.impl.add_layer(layer.input_layernorm.weight.detach().float(), *q4(attn.qkv_proj),
                                 *q4(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
                                 *q4(mlp.gate_up_proj), *q4(mlp.down_proj))
+
+        if not isinstance(model.lm_head, Int8Linear):
+            raise FusedUnsupported(f"the fused layer takes an int8 output head, not {type(model.lm_head).__name__}")
+        self.impl.set_head(*model.lm_head.int8_weight())
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head's product (int8 weights, fp32 activations): [..., vocab]."""
+        return self.impl.head(hidden.reshape(-1, hidden.shape[-1]).float()).view(*hidden.shape[:-1], -1)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def alone() -> Iterator[None]:
+        """torch on one thread meanwhile: the layer's own threads do the parallel
+        work, and an OpenMP team spinning beside them would take their cores."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def fits(self, rows: int, width: int) -> bool:
         return rows * width <= self.MAX_TOKENS
@@ -89,16 +111,17 @@ class FusedCpuLayers:
         return model.model.norm(x).view(B, T, -1)
 
 
-def fused_layers_for(model: Transformer, q8: bool = False) -> FusedCpuLayers | None:
-    """The model's fused layers (built once per model and activation precision,
-    shared by its engines), or None where they cannot run: the reason is logged once."""
+def fused_layers_for(model: Transformer, q8: bool = False, threads: int = 0) -> FusedCpuLayers | None:
+    """The model's fused layers (built once per model and setting, shared by
+    its engines), or None where they cannot run: the reason is logged once."""
     built = model.__dict__.setdefault("fused_cpu_layers", {})
-    if q8 not in built:
+    key = (q8, threads)
+    if key not in built:
         from completer_kernels.cpu_decode import FusedUnavailable
 
         try:
-            built[q8] = FusedCpuLayers(model, q8)
+            built[key] = FusedCpuLayers(model, q8, threads)
         except (FusedUnsupported, FusedUnavailable) as e:
             log.info("engine: passes run through torch's ops: %s", e)
-            built[q8] = None
-    return built[q8]
+            built[key] = None
+    return built[key]

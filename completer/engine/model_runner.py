@@ -77,19 +77,25 @@ class ModelRunner:
             for b, row in enumerate(rows):
                 tokens[b, : len(row)] = torch.tensor(row)
             if self.fused is not None and self.fused.fits(len(rows), width):
-                hidden = self.fused.hidden_states(tokens, meta, self.pool, layer_written, interrupted)
+                with self.fused.alone():
+                    hidden = self.fused.hidden_states(tokens, meta, self.pool, layer_written, interrupted)
+                    logits = self.model.logits(self._last(hidden, lens, last_only, last), self.fused.head)
             else:
                 triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
                 backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written,
                                                                           interrupted)
                 hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
-            if last_only:
-                ends = torch.tensor([n - 1 for n in lens], device=self.device)
-                hidden = hidden[torch.arange(len(rows), device=self.device), ends]
-            elif last:
-                at = torch.tensor([[max(0, n - last + j) for j in range(last)] for n in lens], device=self.device)
-                hidden = hidden[torch.arange(len(rows), device=self.device)[:, None], at]
-            logits = self.model.logits(hidden)
+                logits = self.model.logits(self._last(hidden, lens, last_only, last))
         for state, n in zip(states, lens):
             state.computed += n
         return logits
+
+    def _last(self, hidden: torch.Tensor, lens: list[int], last_only: bool, last: int) -> torch.Tensor:
+        """The hidden states whose logits `execute` returns."""
+        if last_only:
+            ends = torch.tensor([n - 1 for n in lens], device=self.device)
+            return hidden[torch.arange(len(lens), device=self.device), ends]
+        if last:
+            at = torch.tensor([[max(0, n - last + j) for j in range(last)] for n in lens], device=self.device)
+            return hidden[torch.arange(len(lens), device=self.device)[:, None], at]
+        return hidden
