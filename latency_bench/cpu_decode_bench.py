@@ -186,8 +186,8 @@ async def completer_row(name: str, args, prompts, keys) -> tuple[list[Row], dict
     engine.start()
     rows = []
     try:
-        for b in BATCHES:  # warm-up (compiles, if on), then the measures
-            await asyncio.gather(*(ask(engine, f"w{b}-{i}", p[:64], 8) for i, p in enumerate(prompts["warm"][:b])))
+        for b in BATCHES:  # warm-up (compiles, if on; full-length: the first row measured slower), then the measures
+            await asyncio.gather(*(ask(engine, f"w{b}-{i}", p, args.tokens) for i, p in enumerate(prompts["warm"][:b])))
             reps = []
             for r, group in enumerate(prompts[b]):
                 timings = await asyncio.gather(*(ask(engine, f"{b}-{r}-{i}", p, args.tokens)
@@ -243,8 +243,7 @@ async def llama_row(name: str, args, prompts, keys) -> tuple[list[Row], dict]:
         with llama_peer.llama_server(gguf, port=free_port(), threads=args.threads, parallel=b,
                                      ctx_per_slot=max(CONTEXT, args.prompt_tokens + args.tokens)) as url:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-                await asyncio.gather(*(post(session, url, p[:64], n_predict=8, ignore_eos=True, cache_prompt=False)
-                                       for p in prompts["warm"][:b]))
+                await asyncio.gather(*(post(session, url, p, **decode) for p in prompts["warm"][:b]))  # as ours
                 reps = []
                 for group in prompts[b]:
                     done = await asyncio.gather(*(post(session, url, p, **decode) for p in group))
