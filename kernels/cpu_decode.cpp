@@ -218,6 +218,36 @@ inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int6
 #endif
 }
 
+#if defined(__AVX512F__)
+// R activation rows against one weight row at once (a prefill or verify pass):
+// each pair of blocks is dequantized to fp32 (q * d + m) once for all R rows.
+template <int R>
+inline void dot_rows_f32(const uint8_t* w, const float* x, int64_t k, int64_t pairs, float* out, int64_t out_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 8));
+    const __m256i q[2] = {_mm256_and_si256(packed, low_mask), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask)};
+    const __m128 halves = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair)));  // d0 d1 m0 m1
+    __m512 wf[4];
+    for (int b = 0; b < 2; ++b) {
+      const __m512 d = _mm512_broadcastss_ps(b == 0 ? halves : _mm_movehdup_ps(halves));
+      const __m128 mh = _mm_movehl_ps(halves, halves);  // m0 m1
+      const __m512 m = _mm512_broadcastss_ps(b == 0 ? mh : _mm_movehdup_ps(mh));
+      wf[2 * b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q[b]))), d, m);
+      wf[2 * b + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q[b], 1))), d, m);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xp = x + r * k + p * 64;
+      for (int i = 0; i < 4; ++i) acc[r] = _mm512_fmadd_ps(wf[i], _mm512_loadu_ps(xp + 16 * i), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 // y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
 void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
   const int64_t pairs = w.k / 64, row_bytes = pairs * PAIR_BYTES, blocks = w.k / QK;
@@ -228,10 +258,20 @@ void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w.pairs + n * row_bytes;
       const float bias = w.bias ? w.bias[n] : 0.f;
-      for (int64_t r = 0; r < x.m; ++r)
-        y[r * w.n + n] = (x.q8 ? dot_row(row, x.q.data() + r * w.k, x.d.data() + r * blocks,
-                                         x.s.data() + r * blocks, pairs)
-                               : dot_row_f32(row, x.f.data() + r * w.k, x.s.data() + r * blocks, pairs)) + bias;
+      int64_t r = 0;
+#if defined(__AVX512F__)
+      if (!x.q8 && x.m > 1) {
+        const float* xf = x.f.data();
+        for (; r + 8 <= x.m; r += 8) dot_rows_f32<8>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
+        for (; r + 4 <= x.m; r += 4) dot_rows_f32<4>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
+        for (; r + 2 <= x.m; r += 2) dot_rows_f32<2>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
+      }
+#endif
+      for (; r < x.m; ++r)
+        y[r * w.n + n] = x.q8 ? dot_row(row, x.q.data() + r * w.k, x.d.data() + r * blocks, x.s.data() + r * blocks,
+                                        pairs)
+                              : dot_row_f32(row, x.f.data() + r * w.k, x.s.data() + r * blocks, pairs);
+      for (r = 0; r < x.m; ++r) y[r * w.n + n] += bias;
     }
   });
 }
@@ -356,6 +396,107 @@ inline void add_scaled(float* acc, float p, const KV* v, int64_t hd) {
   for (int64_t i = 0; i < hd; ++i) acc[i] += p * to_float(v[i]);
 }
 
+// q . k for four keys at once: their sums reduced together (one horizontal sum
+// per key was most of attention's time).
+template <typename KV>
+inline void dot4(const float* q, const KV* k0, const KV* k1, const KV* k2, const KV* k3, int64_t hd, float* out) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0) {
+    __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const KV* ks[4] = {k0, k1, k2, k3};
+    for (int64_t i = 0; i < hd; i += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + i);
+      for (int c = 0; c < 4; ++c) v[c] = _mm512_fmadd_ps(qv, load16(ks[c] + i), v[c]);
+    }
+    // lanes: (v0+v1 interleaved), (v2+v3 interleaved) -> each 128-bit lane [v0 v1 v2 v3] -> sum of lanes
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+    const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0x4E));
+    const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, 0xB1));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(e));
+    return;
+  }
+#endif
+  out[0] = dot(q, k0, hd);
+  out[1] = dot(q, k1, hd);
+  out[2] = dot(q, k2, hd);
+  out[3] = dot(q, k3, hd);
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2, a degree-6
+// polynomial on |r| <= ln2 / 2 (relative error ~2e-7); std::exp per score was most of attention's time.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[j] = e^(s[j] - top) in place; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float top) {
+  int64_t j = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), shift));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    j = n;
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - top);
+    total += s[j];
+  }
+  return total;
+}
+
+#if defined(__AVX512F__)
+template <int VECS, typename KV>
+inline void weighted_sum_regs(const float* p, const KV* const* rows, int64_t n, int64_t offset, float* acc) {
+  __m512 a[VECS];
+  for (int i = 0; i < VECS; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const KV* v = rows[j] + offset;
+    for (int i = 0; i < VECS; ++i) a[i] = _mm512_fmadd_ps(pj, load16(v + 16 * i), a[i]);
+  }
+  for (int i = 0; i < VECS; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
+// acc += sum_j p[j] * v_j for n value rows (each at rows[j] + offset), acc in registers
+// for the usual head widths.
+template <typename KV>
+inline void weighted_sum(const float* p, const KV* const* rows, int64_t n, int64_t offset, int64_t hd, float* acc) {
+#if defined(__AVX512F__)
+  if (hd == 64) return weighted_sum_regs<4>(p, rows, n, offset, acc);
+  if (hd == 128) return weighted_sum_regs<8>(p, rows, n, offset, acc);
+#endif
+  for (int64_t j = 0; j < n; ++j) add_scaled(acc, p[j], rows[j] + offset, hd);
+}
+
 // Each new token t (row t / tokens_per_row) attends over the first context_lens[t]
 // positions of its row, read through the row's block table; fp32 math.
 // Flash-decoding split: a token's context is cut into `parts` spans, each span
@@ -380,6 +521,7 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
 
   workers.run(rows * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads * hd), scores;
+    std::vector<const KV*> vrows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / parts, part = item % parts;
       const int64_t n = context_lens[t];
@@ -389,12 +531,19 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
       const int32_t* table = tables + (t / tokens_per_row) * table_width;
       for (int64_t i = 0; i < heads * hd; ++i) q[i] = qkv[t * row_stride + i] * scale;
       scores.resize(heads * count);
-      for (int64_t j0 = first; j0 < last; j0 += block_size) {
-        const int64_t base = static_cast<int64_t>(table[j0 / block_size]) * block_size * kv_stride;
-        const KV* k = kpool + base;
-        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, k += kv_stride)
-          for (int64_t h = 0; h < heads; ++h)
-            scores[h * count + (j - first)] = dot(q.data() + h * hd, k + (h / group) * hd, hd);
+      for (int64_t j = first; j < last; j += 4) {
+        const int64_t n4 = std::min<int64_t>(4, last - j);
+        const KV* k4[4];
+        for (int64_t c = 0; c < 4; ++c) {
+          const int64_t at = j + std::min(c, n4 - 1);
+          k4[c] = kpool + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * kv_stride;
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          float s4[4];
+          const int64_t off = (h / group) * hd;
+          dot4(q.data() + h * hd, k4[0] + off, k4[1] + off, k4[2] + off, k4[3] + off, hd, s4);
+          for (int64_t c = 0; c < n4; ++c) scores[h * count + (j - first) + c] = s4[c];
+        }
       }
       float* m = part_max.data() + item * heads;
       float* l = part_sum.data() + item * heads;
@@ -403,21 +552,14 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
         float* sc = scores.data() + h * count;
         float top = -INFINITY;
         for (int64_t j = 0; j < count; ++j) top = std::max(top, sc[j]);
-        float total = 0.f;
-        for (int64_t j = 0; j < count; ++j) {
-          sc[j] = std::exp(sc[j] - top);
-          total += sc[j];
-        }
         m[h] = top;
-        l[h] = total;
+        l[h] = exp_shifted(sc, count, top);
       }
-      for (int64_t j0 = first; j0 < last; j0 += block_size) {
-        const int64_t base = static_cast<int64_t>(table[j0 / block_size]) * block_size * kv_stride;
-        const KV* v = vpool + base;
-        for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j, v += kv_stride)
-          for (int64_t h = 0; h < heads; ++h)
-            add_scaled(acc + h * hd, scores[h * count + (j - first)], v + (h / group) * hd, hd);
-      }
+      vrows.resize(count);
+      for (int64_t j = first; j < last; ++j)
+        vrows[j - first] = vpool + (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * kv_stride;
+      for (int64_t h = 0; h < heads; ++h)
+        weighted_sum(scores.data() + h * count, vrows.data(), count, (h / group) * hd, hd, acc + h * hd);
     }
   });
 
