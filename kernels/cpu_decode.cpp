@@ -260,11 +260,12 @@ void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y
       const float bias = w.bias ? w.bias[n] : 0.f;
       int64_t r = 0;
 #if defined(__AVX512F__)
-      if (!x.q8 && x.m > 1) {
+      if (!x.q8) {
         const float* xf = x.f.data();
         for (; r + 8 <= x.m; r += 8) dot_rows_f32<8>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
         for (; r + 4 <= x.m; r += 4) dot_rows_f32<4>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
         for (; r + 2 <= x.m; r += 2) dot_rows_f32<2>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
+        for (; r < x.m; ++r) dot_rows_f32<1>(row, xf + r * w.k, w.k, pairs, y + r * w.n + n, w.n);
       }
 #endif
       for (; r < x.m; ++r)
