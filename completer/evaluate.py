@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from completer.config import Config, ModelSection, RequestSection
-from completer.engine.config import SpecConfig
+from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models
@@ -127,11 +127,11 @@ def line_starts(files: list[SourceFile], n: int, seed: int,
 
 async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_tokens: int,
                  options: RequestOptions, spec: SpecConfig, contexts: list[list[ContextItem]] | None = None,
-                 retrieval: bool = True) -> list[Finished]:
+                 retrieval: bool = True, engine: EngineConfig = EngineConfig()) -> list[Finished]:
     """Each pick's completion as the server makes it (the pipeline, then the
     engine), one at a time; `contexts`: each pick's context items."""
     config = Config(model=ModelSection(context_tokens=context_tokens, retrieval=retrieval), spec=spec,
-                    request=RequestSection(deadline_ms=600_000))
+                    request=RequestSection(deadline_ms=600_000), engine=engine)
     async with LocalCompleter(lm, draft, config) as completer:
         done = []
         for i, (f, cursor, end) in enumerate(picks):
@@ -142,11 +142,12 @@ async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_toke
 
 
 def exact_match(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
-                contexts: list[list[ContextItem]] | None = None, retrieval: bool = True) -> float:
+                contexts: list[list[ContextItem]] | None = None, retrieval: bool = True,
+                engine: EngineConfig = EngineConfig()) -> float:
     """Share of picks whose served completion (line mode, the default
     speculation) is the rest of the line."""
     done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
-                              SpecConfig(draft_model=draft is not None), contexts, retrieval))
+                              SpecConfig(draft_model=draft is not None), contexts, retrieval, engine))
     hits = sum(d.text.rstrip() == f.text[cursor:end].rstrip() for d, (f, cursor, end) in zip(done, picks))
     return hits / len(picks)
 
