@@ -94,6 +94,14 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 // One weight row against one quantized activation row: sum over pairs of blocks.
 inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const float* sx, int64_t pairs) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -135,10 +143,7 @@ inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const 
       mins += half_to_float(pair + 4 + 2 * b) * sx[2 * p + b];
     }
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h) + mins;
+  return hsum256(acc) + mins;
 #else
   float total = 0.f;
   for (int64_t p = 0; p < pairs; ++p) {
@@ -198,10 +203,7 @@ inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int6
       mins += half_to_float(pair + 4 + 2 * b) * sx[2 * p + b];
     }
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h) + mins;
+  return hsum256(acc) + mins;
 #else
   float total = 0.f;
   for (int64_t p = 0; p < pairs; ++p) {
@@ -295,10 +297,7 @@ inline float dot_i8(const int8_t* w, const float* x, int64_t k) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(x + i), acc);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  total = _mm_cvtss_f32(h);
+  total = hsum256(acc);
 #endif
   for (; i < k; ++i) total += w[i] * x[i];
   return total;

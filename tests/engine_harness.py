@@ -4,6 +4,7 @@ plain greedy reference to compare with."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import msgspec
@@ -11,7 +12,8 @@ import torch
 
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
-from completer.engine.request import Finished, SamplingParams
+from completer.engine.engine import Engine
+from completer.engine.request import Finished, Request, SamplingParams
 from completer.model import Transformer
 from tiny import tiny_config
 
@@ -95,3 +97,18 @@ def greedy_reference(models, prompt, n):
                 break
             ids.append(nxt)
     return ids[len(prompt):]
+
+
+def served_greedy_text(loaded, prompt: str, config: EngineConfig, spec: SpecConfig, n: int) -> str:
+    """Greedy `free`-mode text of a loaded model through the engine as the
+    server runs it (Engine.start compiles where `config.compile`)."""
+    async def go():
+        engine = Engine.build(loaded, None, config, spec)
+        engine.start()
+        try:
+            stream = engine.submit(Request("r", loaded.tokenizer.encode(prompt),
+                                           SamplingParams(max_tokens=n, mode="free")))
+            return (await stream.finished()).text
+        finally:
+            engine.stop()
+    return asyncio.run(go())

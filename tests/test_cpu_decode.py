@@ -3,7 +3,6 @@ output as eager's; int8 and int4 linears stay within their quantization error,
 give a row the same result whatever its batch, and int4 reproduces Q4_1
 weights exactly."""
 
-import asyncio
 
 import pytest
 import torch
@@ -12,10 +11,9 @@ import torch.nn.functional as F
 from completer.checkpoint import CheckpointError
 from completer.cpu_quant import INT4_GROUP, Int4Linear, Int8Linear
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.engine import Engine
-from completer.engine.request import Request, SamplingParams
 from completer.loading import load
 from completer.model_store import EMBEDDED_TARGET
+from engine_harness import served_greedy_text
 
 PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f"
 
@@ -23,17 +21,8 @@ PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n     
 def greedy_text(loaded, compile: bool, n: int = 32) -> str:
     """Greedy text through the engine as the server runs it (Engine.start
     compiles when `compile`), without speculation."""
-    async def go():
-        engine = Engine.build(loaded, None, EngineConfig(compile=compile, kv_cache_mb=16),
-                              SpecConfig(ngram=False, draft_model=False))
-        engine.start()
-        try:
-            stream = engine.submit(Request("r", loaded.tokenizer.encode(PROMPT),
-                                           SamplingParams(max_tokens=n, mode="free")))
-            return (await stream.finished()).text
-        finally:
-            engine.stop()
-    return asyncio.run(go())
+    return served_greedy_text(loaded, PROMPT, EngineConfig(compile=compile, kv_cache_mb=16),
+                              SpecConfig(ngram=False, draft_model=False), n)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 GEMM and its paged attention equal their plain-torch references, and the engine
 decodes through it the same greedy text as the fp32 reference path."""
 
-import asyncio
 import logging
 
 import pytest
@@ -11,16 +10,15 @@ import torch
 from completer.cpu_quant import Int4Linear, int4_groups
 from completer.engine.attention import AttentionMetadata, PassInterrupted, TorchAttention
 from completer.engine.config import EngineConfig, SpecConfig
-from completer.engine.engine import Engine
 from completer.engine.fused_cpu import FusedCpuLayers, FusedUnsupported, fused_layers_for
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
-from completer.engine.request import Request, SamplingParams
 from completer.engine.sequence import CacheState
 from completer.loading import load
 from completer.model import ModelConfig
 from completer.model_store import EMBEDDED_TARGET
 from completer_kernels import cpu_decode
+from engine_harness import served_greedy_text
 
 PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f"
 
@@ -103,17 +101,8 @@ def test_a_fused_pass_writes_the_same_kv_hidden_states_and_logits_as_the_referen
 
 
 def greedy_text(loaded, fused: bool, speculation: bool, n: int = 40) -> str:
-    async def go():
-        engine = Engine.build(loaded, None, EngineConfig(kv_cache_mb=16, fused_cpu=fused),
-                              SpecConfig(ngram=speculation, draft_model=False, adaptive=False, k_init=4))
-        engine.start()
-        try:
-            stream = engine.submit(Request("r", loaded.tokenizer.encode(PROMPT),
-                                           SamplingParams(max_tokens=n, mode="free")))
-            return (await stream.finished()).text
-        finally:
-            engine.stop()
-    return asyncio.run(go())
+    return served_greedy_text(loaded, PROMPT, EngineConfig(kv_cache_mb=16, fused_cpu=fused),
+                              SpecConfig(ngram=speculation, draft_model=False, adaptive=False, k_init=4), n)
 
 
 @pytest.mark.parametrize("speculation", [False, True], ids=["decode", "n-gram verify"])
