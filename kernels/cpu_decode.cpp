@@ -161,33 +161,10 @@ inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const 
 #endif
 }
 
-// The same row against fp32 activations x (sx: each block's sum of x): per block
-// d * sum(q x) + m * sum(x), q widened to fp32. A few more instructions a weight
-// than the Q8 path, and no activation rounding.
+// The same row against fp32 activations x (sx: each block's sum of x), where
+// AVX512 is missing: per block d * sum(q x) + m * sum(x), q widened to fp32.
 inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int64_t pairs) {
-#if defined(__AVX512F__)
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  __m128 mins = _mm_setzero_ps();
-  const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint8_t* pair = w + p * PAIR_BYTES;
-    const float* xp = x + p * 64;
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 8));
-    const __m256i q[2] = {_mm256_and_si256(packed, low_mask), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask)};
-    const __m128 halves = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair)));  // d0 d1 m0 m1
-    for (int b = 0; b < 2; ++b) {
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q[b])));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q[b], 1)));
-      const __m512 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 32 * b + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xp + 32 * b)));
-      const __m512 d = _mm512_broadcastss_ps(b == 0 ? halves : _mm_movehdup_ps(halves));
-      acc[b] = _mm512_fmadd_ps(s, d, acc[b]);
-    }
-    const __m128 sums = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sx + 2 * p)));
-    mins = _mm_fmadd_ps(_mm_movehl_ps(halves, halves), sums, mins);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(mins) +
-         _mm_cvtss_f32(_mm_shuffle_ps(mins, mins, 1));
-#elif defined(__AVX2__)
+#if defined(__AVX2__)  // (AVX512 machines take dot_rows_f32 below)
   __m256 acc = _mm256_setzero_ps();
   float mins = 0.f;
   for (int64_t p = 0; p < pairs; ++p) {
