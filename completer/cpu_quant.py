@@ -118,6 +118,25 @@ def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Te
     return q.view(N, K).to(torch.int32), scale, low
 
 
+def q8_blocks(x: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] as int8 values per block of `group` with one scale
+    each (largest magnitude -> 127): (qx [M, K / group, group], scale [M, K / group, 1])."""
+    blocks = x.float().reshape(x.shape[0], -1, group)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round(), scale
+
+
+def q8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times 4-bit groups (q [N, K], scale and minimum [N, K / g]) with
+    the activations rounded to 8 bits per group, llama.cpp's CPU math and the
+    fused layer's VNNI kernel's: per group, scale * dx * sum(q * qx) + minimum * sum(x)."""
+    N, G = scale.shape
+    qx, dx = q8_blocks(x, q.shape[1] // G)
+    dots = torch.einsum("mgj,ngj->mng", qx, q.float().view(N, G, -1))  # exact integer sums
+    sums = x.float().view(x.shape[0], G, -1).sum(-1)
+    return (dots * dx[..., 0][:, None, :] * scale).sum(-1) + sums @ low.T
+
+
 class Int4Linear(nn.Module):
     """y = x @ (q * scale + minimum).T + bias, from packed 4-bit weights.
     torch's int4 kernel is a GEMV loop: its time grows with the rows. From
@@ -150,6 +169,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("low", low)
         self.dense: torch.Tensor | None = None
         self.dense_rows = 0
+        self.q8_activations = False  # q8_product's math (a reference for the fused layer's 8-bit kernel)
 
     def keep_dense(self, rows: int) -> int:
         """Passes of `rows` rows or more multiply by a resident unpacked copy
@@ -170,7 +190,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        if self.dense is not None and x2.shape[0] >= self.dense_rows:
+        if self.q8_activations:
+            y = q8_product(x2, *self.groups())
+        elif self.dense is not None and x2.shape[0] >= self.dense_rows:
             y = (x2.to(self.compute_dtype) @ self.dense.T).float()
         elif x2.shape[0] > self.GEMV_ROWS:
             # In the kernel's activation dtype: bf16 where native (measured on a Zen 4 at 545 rows:

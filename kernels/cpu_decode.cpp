@@ -7,7 +7,7 @@
 // but through torch's ops it is ~15 dispatches a layer at 10-30 us each, more
 // than the weights take to stream.
 //
-// The 4-bit GEMM is GGUF Q4_1's math with Q8 activations, as llama.cpp's CPU
+// The 4-bit GEMM is GGUF Q4_1's math with Q8 activations (engine.fused_cpu_q8), as llama.cpp's CPU
 // backend does it: a block of 32 weights w = q * d + m (q in 0..15, d and m
 // fp16) against 32 activations x ~= qx * dx (qx int8) gives
 //   sum(w x) ~= d * dx * sum(q qx) + m * sum(x),
@@ -37,10 +37,21 @@ constexpr int PAIR_BYTES = 40;  // two blocks: fp16 d0 d1, fp16 m0 m1, 32 bytes 
 // Byte j of a pair's nibbles holds q[j] (low) and q[j + 32] (high): one 256-bit load, a shift and a
 // mask give all 64 weights in order, so the activations need no shuffling.
 
+// With 8-bit activations on AVX512-VNNI the weights are laid out in tiles of 16
+// rows instead: per block of 32 weights, the 16 rows' fp16 scales, their fp16
+// minimums, then 4 x 64 bytes whose 32-bit lane i holds 4 consecutive weights of
+// row i (low nibbles: weights 4h..4h+3 of vector h, high: 4h+16..4h+19). One
+// dpbusd multiplies 4 weights of 16 rows by 4 broadcast activations, so the
+// sums land per output row with no horizontal reduction, and a tile's unpacked
+// weights serve several activation rows (a prefill) from registers.
+constexpr int TILE_ROWS = 16;
+constexpr int TILE_BYTES = 64 + 256;  // per block of a tile
+
 struct Q4Matrix {
-  const uint8_t* pairs;  // [n, k / 64, PAIR_BYTES]
-  const float* bias;     // [n] or null
+  const uint8_t* data;  // pairs [n, k / 64, PAIR_BYTES] or tiles [n / 16, k / 32, TILE_BYTES]
+  const float* bias;    // [n] or null
   int64_t n, k;
+  bool tiled;
 };
 
 // Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x.
@@ -227,15 +238,92 @@ inline void dot_rows_f32(const uint8_t* w, const float* x, int64_t k, int64_t pa
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R quantized activation rows against one tile (16 weight rows): y[r, 0..15].
+template <int R>
+inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx, const float* sx, int64_t k,
+                         float* y, int64_t y_stride, const float* bias) {
+  const int64_t blocks = k / QK;
+  const __m512i low_mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * TILE_BYTES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+    __m512i w[8];
+    for (int h = 0; h < 4; ++h) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 + 64 * h);
+      w[h] = _mm512_and_si512(packed, low_mask);
+      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = qx + r * k + b * QK;
+      // two chains of four: a block's integer sum is not one long dependency
+      __m512i s0 = _mm512_dpbusd_epi32(zero, w[0], broadcast4(xb));
+      __m512i s1 = _mm512_dpbusd_epi32(zero, w[4], broadcast4(xb + 16));
+      for (int h = 1; h < 4; ++h) {
+        s0 = _mm512_dpbusd_epi32(s0, w[h], broadcast4(xb + 4 * h));
+        s1 = _mm512_dpbusd_epi32(s1, w[h + 4], broadcast4(xb + 16 + 4 * h));
+      }
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+    }
+  }
+  const __m512 bias16 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, _mm512_add_ps(acc[r], bias16));
+}
+
+// y[m, n] for a tiled matrix: each thread takes runs of tiles, all m rows at once (four at a time
+// from registers; a tile's k / 32 blocks stay in L1 between the groups of four).
+void q4_gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
+  const int64_t tiles = w.n / TILE_ROWS, tile_bytes = (w.k / QK) * TILE_BYTES, blocks = w.k / QK;
+  const int64_t grain = std::max<int64_t>(1, tiles / (4 * workers.threads()));
+  workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = w.data + t * tile_bytes;
+      const float* bias = w.bias ? w.bias + t * TILE_ROWS : nullptr;
+      for (int64_t r = 0; r < x.m;) {
+        const int8_t* q = x.q.data() + r * w.k;
+        const float *d = x.d.data() + r * blocks, *s = x.s.data() + r * blocks;
+        float* out = y + r * w.n + t * TILE_ROWS;
+        switch (std::min<int64_t>(4, x.m - r)) {
+          case 4: tile_rows_q8<4>(tile, q, d, s, w.k, out, w.n, bias); r += 4; break;
+          case 3: tile_rows_q8<3>(tile, q, d, s, w.k, out, w.n, bias); r += 3; break;
+          case 2: tile_rows_q8<2>(tile, q, d, s, w.k, out, w.n, bias); r += 2; break;
+          default: tile_rows_q8<1>(tile, q, d, s, w.k, out, w.n, bias); r += 1; break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 // y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
 void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
+  if (w.tiled) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    TORCH_CHECK(x.q8, "tiled q4 weights take 8-bit activations");
+    q4_gemm_tiled(workers, x, w, y);
+    return;
+#else
+    TORCH_CHECK(false, "tiled q4 weights need AVX512-VNNI");
+#endif
+  }
   const int64_t pairs = w.k / 64, row_bytes = pairs * PAIR_BYTES, blocks = w.k / QK;
   // A few long runs of rows per thread: the prefetcher streams a run, and a
   // thread that lost its core holds up only the run it took.
   const int64_t grain = std::max<int64_t>(32, w.n / (4 * workers.threads()));
   workers.run(w.n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w.pairs + n * row_bytes;
+      const uint8_t* row = w.data + n * row_bytes;
       const float bias = w.bias ? w.bias[n] : 0.f;
       int64_t r = 0;
 #if defined(__AVX512F__)
@@ -559,11 +647,13 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
     }
 }
 
-Q4Matrix matrix(const torch::Tensor& pairs, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(pairs.dtype() == torch::kUInt8 && pairs.dim() == 3 && pairs.size(2) == PAIR_BYTES &&
-              pairs.is_contiguous(), "q4 weights: a contiguous uint8 [n, k / 64, 40] tensor");
-  return {pairs.data_ptr<uint8_t>(), bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
-          pairs.size(0), pairs.size(1) * 64};
+Q4Matrix matrix(const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+              (packed.size(2) == PAIR_BYTES || packed.size(2) == TILE_BYTES),
+              "q4 weights: a contiguous uint8 [n, k / 64, 40] (pairs) or [n / 16, k / 32, 320] (tiles) tensor");
+  const bool tiled = packed.size(2) == TILE_BYTES;
+  return {packed.data_ptr<uint8_t>(), bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
+          tiled ? packed.size(0) * TILE_ROWS : packed.size(0), packed.size(1) * (tiled ? QK : 64), tiled};
 }
 
 }  // namespace

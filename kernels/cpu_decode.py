@@ -97,6 +97,37 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Te
     return torch.cat((header.view(torch.uint8), nibbles), -1).contiguous()
 
 
+TILE_ROWS = 16
+
+
+def pack_q4_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The layout of the 8-bit-activation VNNI kernel, [N / 16, K / 32, 320]:
+    per tile of 16 rows and block of 32 weights, the rows' fp16 scales, their
+    fp16 minimums, then 4 vectors of 64 bytes; vector h's 32-bit lane i holds
+    q[i, 4h..4h+3] (low nibbles) and q[i, 4h+16..4h+19] (high nibbles)."""
+    N, K = q.shape
+    if N % TILE_ROWS or K % QK:
+        raise ValueError(f"q4 tiles: {N} x {K} is not a multiple of 16 x 32")
+    T, B = N // TILE_ROWS, K // QK
+    q = q.to(torch.uint8).view(T, TILE_ROWS, B, 2, 4, 4)  # tile, row, block, half, h, c
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(T, B, 256)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, B] -> [T, B, 32] bytes of fp16
+        return v.half().view(T, TILE_ROWS, B).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat((per_tile(scale), per_tile(low), nibbles), -1).contiguous()
+
+
+def unpack_q4_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4_tiles' inverse: (q [N, K], scale, minimum [N, K / 32]) as fp32."""
+    T, B, _ = tiles.shape
+    d = tiles[..., :32].contiguous().view(torch.float16).float().transpose(1, 2).reshape(T * TILE_ROWS, B)
+    m = tiles[..., 32:64].contiguous().view(torch.float16).float().transpose(1, 2).reshape(T * TILE_ROWS, B)
+    nib = tiles[..., 64:].reshape(T, B, 4, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # tile, row, block, h, c
+    q = torch.stack((nib & 15, nib >> 4), 3).reshape(T * TILE_ROWS, B * QK).float()
+    return q, d, m
+
+
 def unpack_q4(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack_q4's inverse: (q [N, K], scale, minimum [N, K / 32]) as fp32."""
     N, P, _ = pairs.shape
@@ -106,21 +137,10 @@ def unpack_q4(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, header[..., :2].reshape(N, -1), header[..., 2:].reshape(N, -1)
 
 
-def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] as int8 blocks of 32 with one scale each (largest magnitude -> 127)."""
-    blocks = x.float().view(x.shape[0], -1, QK)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round()
-    return q, scale
+def q4_linear_reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the extension's 4-bit GEMM with 8-bit activations computes, in plain
+    torch (tests), for pairs or tiles."""
+    from completer.cpu_quant import q8_product
 
-
-def q4_linear_reference(x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the extension's 4-bit GEMM computes, in plain torch (tests): per block,
-    scale * dx * sum(q * qx) + minimum * sum(x)."""
-    q, scale, low = unpack_q4(pairs)
-    N, G = scale.shape
-    qx, dx = quantize_q8(x)  # [M, G, 32], [M, G, 1]
-    dots = torch.einsum("mgj,ngj->mng", qx, q.view(N, G, QK))
-    sums = x.float().view(x.shape[0], G, QK).sum(-1)  # [M, G]
-    y = (dots * dx[..., 0][:, None, :] * scale).sum(-1) + (sums[:, None, :] * low).sum(-1)
+    y = q8_product(x, *(unpack_q4_tiles(packed) if packed.shape[-1] == 64 + 256 else unpack_q4(packed)))
     return y if bias is None else y + bias

@@ -33,19 +33,29 @@ def int4():
     return load(EMBEDDED_TARGET, "int4")
 
 
-@pytest.fixture(scope="module")
-def reference():
+def reference_model(q8_activations: bool):
     """The same int4 projections and int8 head multiplied in fp32 by torch's ops
-    (no activation rounding)."""
+    (activations rounded to 8 bits per block of 32 as llama.cpp does, or not rounded)."""
     ref = load(EMBEDDED_TARGET, "int4")
     for m in ref.model.modules():
         if isinstance(m, Int4Linear):
             m.compute_dtype = torch.float32
             m.keep_dense(1)
+            m.q8_activations = q8_activations
     weight, scale = ref.model.lm_head.int8_weight()
     ref.model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     ref.model.lm_head.weight.data = weight.float() * scale[:, None]
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_model(q8_activations=False)
+
+
+@pytest.fixture(scope="module")
+def reference_q8():
+    return reference_model(q8_activations=True)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -63,6 +73,26 @@ def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(e
     torch.testing.assert_close(ext.q4_linear(x, pairs, bias, False), x @ dense.T + bias, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of 64"):
         cpu_decode.pack_q4(*int4_groups(torch.randn(8, 96)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_the_tiled_vnni_gemm_equals_the_pairs_kernel_and_the_torch_reference(ext, rows):
+    if ext.simd() != "avx512-vnni":
+        pytest.skip(f"the tiled kernel is AVX512-VNNI's; this machine's build is {ext.simd()}")
+    torch.manual_seed(rows)
+    q, scale, low = int4_groups(torch.randn(208, 320) * 0.05)
+    tiles = cpu_decode.pack_q4_tiles(q, scale, low)
+    back = cpu_decode.unpack_q4_tiles(tiles)
+    assert torch.equal(back[0], q.float()) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    x, bias = torch.randn(rows, 320), torch.randn(208)
+    got = ext.q4_linear(x, tiles, bias, True)
+    torch.testing.assert_close(got, cpu_decode.q4_linear_reference(x, tiles, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, ext.q4_linear(x, cpu_decode.pack_q4(q, scale, low), bias, True),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="8-bit activations"):
+        ext.q4_linear(x, tiles, bias, False)
+    with pytest.raises(ValueError, match="multiple of 16 x 32"):
+        cpu_decode.pack_q4_tiles(*int4_groups(torch.randn(24, 64)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,8 +130,8 @@ def test_a_fused_pass_writes_the_same_kv_hidden_states_and_logits_as_the_referen
     torch.testing.assert_close(pools[1].v, pools[0].v, atol=1e-4, rtol=1e-4)
 
 
-def greedy_text(loaded, fused: bool, speculation: bool, n: int = 40) -> str:
-    return served_greedy_text(loaded, PROMPT, EngineConfig(kv_cache_mb=16, fused_cpu=fused),
+def greedy_text(loaded, fused: bool, speculation: bool, n: int = 40, q8: bool = False) -> str:
+    return served_greedy_text(loaded, PROMPT, EngineConfig(kv_cache_mb=16, fused_cpu=fused, fused_cpu_q8=q8),
                               SpecConfig(ngram=speculation, draft_model=False, adaptive=False, k_init=4), n)
 
 
@@ -111,6 +141,13 @@ def test_the_engine_decodes_through_the_fused_layer_what_the_fp32_reference_deco
     assert fused_layers_for(int4.model) is not None
     want = greedy_text(reference, fused=False, speculation=speculation)
     assert greedy_text(int4, fused=True, speculation=speculation) == want
+
+
+@pytest.mark.parametrize("speculation", [False, True], ids=["decode", "n-gram verify"])
+def test_with_8bit_activations_the_engine_decodes_what_the_q8_reference_decodes(int4, reference_q8, speculation):
+    assert fused_layers_for(int4.model, q8=True) is not None
+    want = greedy_text(reference_q8, fused=False, speculation=speculation)
+    assert greedy_text(int4, fused=True, speculation=speculation, q8=True) == want
 
 
 def test_an_interrupted_fused_pass_gives_up_and_leaves_the_sequence_where_it_was(int4):

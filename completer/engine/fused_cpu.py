@@ -42,7 +42,7 @@ class FusedCpuLayers:
         (llama.cpp's math: ~20% less GEMM time here, but the rounding of each
         activation moves logits: top-1 agreement with the fp32-activation path
         ~85% on code); else fp32 activations."""
-        from completer_kernels.cpu_decode import extension, pack_q4
+        from completer_kernels.cpu_decode import extension, pack_q4, pack_q4_tiles
 
         cfg = model.config
         if model.inv_freq.device.type != "cpu":
@@ -52,12 +52,17 @@ class FusedCpuLayers:
         self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                     cfg.rms_norm_eps, q8, threads or torch.get_num_threads())
 
+        tiles = q8 and ext.simd() == "avx512-vnni"  # the layout VNNI multiplies without reductions
+
         def q4(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             if not isinstance(linear, Int4Linear):
                 raise FusedUnsupported(f"the fused layer takes int4 projections, not {type(linear).__name__}")
             bias = None if linear.bias is None else linear.bias.float().contiguous()
+            groups = linear.groups()
+            if tiles and groups[0].shape[0] % 16 == 0:
+                return pack_q4_tiles(*groups), bias
             try:
-                return pack_q4(*linear.groups()), bias
+                return pack_q4(*groups), bias
             except ValueError as e:  # a width that is not a multiple of 64
                 raise FusedUnsupported(str(e)) from None
 
