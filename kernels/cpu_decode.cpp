@@ -78,7 +78,23 @@ struct Activations {
     }
     q.resize(rows * width);
     d.resize(rows * g);
-    for (int64_t i = 0; i < rows * g; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < rows * g; ++i) {  // a block is two vectors
+      const __m512 x0 = _mm512_loadu_ps(x + i * QK), x1 = _mm512_loadu_ps(x + i * QK + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float scale = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      // round to nearest even, as nearbyint: values are within +-127, so the narrowing never saturates
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+      d[i] = scale;
+      s[i] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+#endif
+    for (; i < rows * g; ++i) {
       const float* xb = x + i * QK;
       float amax = 0.f, sum = 0.f;
       for (int j = 0; j < QK; ++j) {
@@ -509,6 +525,23 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
+// out[i] = silu(g[i]) * u[i] for n values (g, u: the gate's and the up projection's).
+inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // e^-|x|, no overflow
+    const __m512 one = _mm512_set1_ps(1.f);
+    // sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), one, e),
+                                     _mm512_add_ps(one, e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 // s[j] = e^(s[j] - top) in place; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float top) {
   int64_t j = 0;
@@ -564,38 +597,41 @@ inline void weighted_sum(const float* p, const KV* const* rows, int64_t n, int64
 
 // Each new token t (row t / tokens_per_row) attends over the first context_lens[t]
 // positions of its row, read through the row's block table; fp32 math.
-// Flash-decoding split: a token's context is cut into `parts` spans, each span
-// read once for all heads (a position's K/V rows of every head are contiguous in
-// the pool, so a span streams), and the spans' softmax partials merged after.
+// Flash-decoding split: a row's context is cut into `parts` spans, each span
+// read once for all its new tokens and heads (a position's K/V rows of every
+// head are contiguous in the pool, so a span streams, and stays in L2 while its
+// tokens and heads take their turns), and the spans' softmax partials merged after.
 template <typename KV>
 void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads,
             int64_t hd,
             const KV* kpool, const KV* vpool, const int32_t* tables, int64_t table_width,
             const int32_t* context_lens, int64_t tokens_per_row, int64_t block_size, float* out) {
-  const int64_t group = heads / kv_heads, kv_stride = kv_heads * hd;
+  const int64_t group = heads / kv_heads, kv_stride = kv_heads * hd, seqs = rows / tokens_per_row;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   int64_t longest = 1;
   for (int64_t t = 0; t < rows; ++t) longest = std::max<int64_t>(longest, context_lens[t]);
   // spans of at least 64 positions, whole blocks, enough of them to keep every thread busy
-  const int64_t want = std::max<int64_t>(1, 2 * workers.threads() / std::max<int64_t>(1, rows));
+  const int64_t want = std::max<int64_t>(1, 2 * workers.threads() / std::max<int64_t>(1, seqs));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, longest / 64));
   const int64_t span = (longest + parts - 1) / parts;
   const int64_t span_blocks = (span + block_size - 1) / block_size;
   std::vector<float> part_max(rows * parts * heads, -INFINITY), part_sum(rows * parts * heads, 0.f);
   std::vector<float> part_acc(rows * parts * heads * hd, 0.f);
 
-  workers.run(rows * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(heads * hd), scores;
+  workers.run(seqs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(tokens_per_row * heads * hd), scores;
     std::vector<const KV*> vrows;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / parts, part = item % parts;
-      const int64_t n = context_lens[t];
+      const int64_t seq = item / parts, part = item % parts, t0 = seq * tokens_per_row;
+      int64_t n = 0;  // the longest context among the row's new tokens
+      for (int64_t t = t0; t < t0 + tokens_per_row; ++t) n = std::max<int64_t>(n, context_lens[t]);
       const int64_t first = part * span_blocks * block_size, last = std::min(n, first + span_blocks * block_size);
       if (first >= last) continue;
       const int64_t count = last - first;
-      const int32_t* table = tables + (t / tokens_per_row) * table_width;
-      for (int64_t i = 0; i < heads * hd; ++i) q[i] = qkv[t * row_stride + i] * scale;
-      scores.resize(heads * count);
+      const int32_t* table = tables + seq * table_width;
+      for (int64_t u = 0; u < tokens_per_row; ++u)
+        for (int64_t i = 0; i < heads * hd; ++i) q[u * heads * hd + i] = qkv[(t0 + u) * row_stride + i] * scale;
+      scores.resize(tokens_per_row * heads * count);
       for (int64_t j = first; j < last; j += 4) {
         const int64_t n4 = std::min<int64_t>(4, last - j);
         const KV* k4[4];
@@ -603,28 +639,33 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
           const int64_t at = j + std::min(c, n4 - 1);
           k4[c] = kpool + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * kv_stride;
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          float s4[4];
-          const int64_t off = (h / group) * hd;
-          dot4(q.data() + h * hd, k4[0] + off, k4[1] + off, k4[2] + off, k4[3] + off, hd, s4);
-          for (int64_t c = 0; c < n4; ++c) scores[h * count + (j - first) + c] = s4[c];
+        for (int64_t u = 0; u < tokens_per_row; ++u) {
+          if (j >= context_lens[t0 + u]) continue;  // past this token's causal end
+          for (int64_t h = 0; h < heads; ++h) {
+            float s4[4];
+            const int64_t off = (h / group) * hd;
+            dot4(q.data() + (u * heads + h) * hd, k4[0] + off, k4[1] + off, k4[2] + off, k4[3] + off, hd, s4);
+            float* sc = scores.data() + (u * heads + h) * count + (j - first);
+            for (int64_t c = 0; c < n4; ++c) sc[c] = s4[c];
+          }
         }
-      }
-      float* m = part_max.data() + item * heads;
-      float* l = part_sum.data() + item * heads;
-      float* acc = part_acc.data() + item * heads * hd;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* sc = scores.data() + h * count;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, sc[j]);
-        m[h] = top;
-        l[h] = exp_shifted(sc, count, top);
       }
       vrows.resize(count);
       for (int64_t j = first; j < last; ++j)
         vrows[j - first] = vpool + (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * kv_stride;
-      for (int64_t h = 0; h < heads; ++h)
-        weighted_sum(scores.data() + h * count, vrows.data(), count, (h / group) * hd, hd, acc + h * hd);
+      for (int64_t u = 0; u < tokens_per_row; ++u) {
+        const int64_t mine = std::min<int64_t>(last, context_lens[t0 + u]) - first;  // this token's positions here
+        if (mine <= 0) continue;
+        const int64_t at = ((t0 + u) * parts + part) * heads;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* sc = scores.data() + (u * heads + h) * count;
+          float top = -INFINITY;
+          for (int64_t j = 0; j < mine; ++j) top = std::max(top, sc[j]);
+          part_max[at + h] = top;
+          part_sum[at + h] = exp_shifted(sc, mine, top);
+          weighted_sum(sc, vrows.data(), mine, (h / group) * hd, hd, part_acc.data() + (at + h) * hd);
+        }
+      }
     }
   });
 
@@ -754,7 +795,7 @@ class FusedLayers {
     std::vector<float> gated(tokens * ffn);
     for (int64_t t = 0; t < tokens; ++t) {
       const float* g = projected.data() + t * gate_up.n;
-      for (int64_t i = 0; i < ffn; ++i) gated[t * ffn + i] = g[i] / (1.f + std::exp(-g[i])) * g[ffn + i];
+      silu_mul(g, g + ffn, ffn, gated.data() + t * ffn);
     }
     acts.quantize(gated.data(), tokens, ffn);
     q4_gemm(*workers_, acts, down, projected.data());
