@@ -3,9 +3,11 @@ weights packed for it.
 
 A pass of a few new tokens on a CPU (decode, verify, a keystroke's short
 prefill) runs each decoder layer as one C++ call instead of ~15 torch ops.
-Weights are GGUF Q4_1 blocks (`pack_q4`); activations are quantized to 8 bits
-per block of 32 for the integer dot products, as llama.cpp's CPU backend does.
-`q4_linear_reference` is the same math in plain torch.
+Weights are GGUF Q4_1 blocks, in pairs of blocks per row (`pack_q4`) or, for
+the AVX512-VNNI kernel, in tiles of 16 rows (`pack_q4_tiles`); activations are
+fp32 or quantized to 8 bits per block of 32 for the integer dot products, as
+llama.cpp's CPU backend does. `q4_linear_reference` is the 8-bit math in plain
+torch.
 
 The extension is compiled with -march=native into the completer cache
 (keyed by the source, torch, Python and this CPU's flags), so the first start

@@ -8,7 +8,7 @@ precision, side by side in one run. Prints a table; writes JSON.
 
 Rows: completer at fp32 and bf16 (fused q/k/v and gate/up; `*_unfused`;
 `*_compiled` with `engine.compile`, the others without), int8, int4 (the
-fused CPU layer; `int4_q8` with its 8-bit activations, `int4_torch` without
+fused CPU layer, 8-bit activations; `int4_fp32_acts` with fp32 ones, `int4_torch` without
 it, torch's ops as before), each a
 fresh load of the default Q4_1 GGUF; llama.cpp on the F32, BF16 and Q8_0 GGUFs
 llama_peer writes from it (`matched_gguf`) and on the Q4_1 file itself. By
@@ -80,9 +80,9 @@ COMPLETER_ROWS = {  # name: (precision, fuse, engine settings beside the default
     "bf16": ("bf16", True, {}), "bf16_unfused": ("bf16", False, {}),
     "bf16_compiled": ("bf16", True, {"compile": True}),
     "int8": ("int8", True, {}), "int8_compiled": ("int8", True, {"compile": True}),
-    # int4: the fused CPU layer (engine.fused_cpu, fp32 activations); _q8: its 8-bit activations;
+    # int4: the fused CPU layer (engine.fused_cpu, 8-bit activations); _fp32_acts: with fp32 activations;
     # _torch: torch's ops, as before the fused layer; _compiled: those through torch.compile
-    "int4": ("int4", True, {}), "int4_q8": ("int4", True, {"fused_cpu_q8": True}),
+    "int4": ("int4", True, {}), "int4_fp32_acts": ("int4", True, {"fused_cpu_q8": False}),
     "int4_torch": ("int4", True, {"fused_cpu": False}),
     "int4_compiled": ("int4", True, {"fused_cpu": False, "compile": True})}
 LLAMA_ROWS = {  # name: (completer's precision it matches, its GGUF)

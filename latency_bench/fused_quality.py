@@ -1,10 +1,11 @@
 """Does the fused CPU layer (#25) change what users are suggested? First-line
 exact match at the same held-out sites, served as `completer serve` serves them
 (the pipeline, the engine, the default speculation, greedy), with the fused
-layer (fp32 activations, the default), with its 8-bit activations, and
-without it (torch's ops), on the same weights in one run.
+layer as configured by default (8-bit activations, fp16 K/V), with fp32
+activations, with fp32 K/V, and without it (torch's ops), on the same weights
+in one run.
 
-    python latency_bench/fused_quality.py                  # ~40 min on 2 cores (~7 min a row)
+    python latency_bench/fused_quality.py                  # ~55 min on 2 cores (~7 min a row)
     python latency_bench/fused_quality.py --rows torch fused --sites "line starts" --lines 50 --out /tmp/q.json
 
 Prints exact match per row at line starts and mid-line, and how often each
@@ -31,8 +32,8 @@ from completer.evaluate import heldout_files, line_starts, served  # noqa: E402
 from completer.loading import load_models  # noqa: E402
 from completer.pipeline import RequestOptions  # noqa: E402
 
-ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),
-        "fused_q8": EngineConfig(fused_cpu_q8=True)}
+ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),  # (8-bit activations, fp16 K/V)
+        "fused_fp32_acts": EngineConfig(fused_cpu_q8=False), "fused_fp32_kv": EngineConfig(kv_dtype="fp32")}
 
 
 class Row(msgspec.Struct):

@@ -193,8 +193,8 @@ class WorkerLink:
         """The announced K/V, then into the job's blocks if it is still open
         (an aborted job's arrive anyway, and are dropped)."""
         layers = msg.layer_hi - msg.layer_lo
-        buf = torch.empty((2, layers, msg.count, pool.k.shape[2], pool.k.shape[3]), dtype=pool.k.dtype,
-                          device=pool.device)
+        buf = torch.empty((2, layers, msg.count, pool.k.shape[2], pool.k.shape[3]), dtype=torch.float32,
+                          device=pool.device)  # (the wire's dtype; the pool's may be narrower)
         started = time.perf_counter()
         pair.recv(buf, msg.tag, self.remote.config.timeout_s)
         seconds = time.perf_counter() - started
@@ -205,8 +205,8 @@ class WorkerLink:
             bs = pool.block_size
             positions = torch.arange(msg.start, msg.start + msg.count)
             slots = (job.table[positions // bs] * bs + positions % bs).to(pool.device)
-            pool.k[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[0])
-            pool.v[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[1])
+            pool.k[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[0].to(pool.k.dtype))
+            pool.v[msg.layer_lo:msg.layer_hi].index_copy_(1, slots, buf[1].to(pool.v.dtype))
             job.groups += 1
             job.bytes += buf.numel() * buf.element_size()
             job.recv_s += seconds

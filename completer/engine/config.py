@@ -27,9 +27,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # On CPU at int4: passes of up to 32 new tokens (decode, verify, a keystroke's prefill) run each
     # layer as one C++ call (kernels/cpu_decode.cpp, compiled here at first use; engine/fused_cpu.py).
     fused_cpu: bool = True
-    # The fused layer's 4-bit GEMMs with activations rounded to 8 bits (llama.cpp's math): faster,
-    # but each rounding moves the logits (engine/fused_cpu.py); false: fp32 activations.
-    fused_cpu_q8: bool = False
+    # The fused layer's 4-bit GEMMs with activations rounded to 8 bits per block of 32 (llama.cpp's
+    # math): on AVX512-VNNI a keystroke's pass ~1.5x faster, exact match within noise of fp32
+    # activations (BENCHMARKS.md); false: fp32 activations.
+    fused_cpu_q8: bool = True
+    # How the K/V pool stores keys and values: "auto" = fp16 on CPU (a decode step's attention
+    # there is bound by reading them), fp32 on CUDA. Attention's math is fp32 either way.
+    kv_dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
     decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
     # First tokens go out as soon as the prefill pass made them, and cancels that came
@@ -129,14 +133,16 @@ _PROBE_MB = 2.0 ** 20
 
 
 def kv_cache_problem(engine: EngineConfig, spec: SpecConfig, context_tokens: int,
-                     models: dict[str, ModelConfig]) -> ConfigProblem | None:
+                     models: dict[str, ModelConfig], device: str = "cpu") -> ConfigProblem | None:
     """Whether one request over the whole window fits each KV pool.
 
     models: role ("target", and "draft" when the drafter runs) -> its shape.
     The engine refuses a request whose worst case exceeds a pool
     (`KVCacheManager.too_large`); when not even a full-window request fits,
     every long prompt would be refused, so the start stops instead."""
-    from completer.engine.paged_kv import pool_blocks  # imports torch: only callers that have models get here
+    from completer.engine.paged_kv import kv_dtype, pool_blocks  # imports torch: only callers with models get here
+
+    dtype = kv_dtype(engine.kv_dtype, device)
 
     # As EngineCore.build splits the budget between the pools.
     share = {"target": 1 - spec.draft_share, "draft": spec.draft_share} if "draft" in models else {"target": 1.0}
@@ -144,12 +150,12 @@ def kv_cache_problem(engine: EngineConfig, spec: SpecConfig, context_tokens: int
     # plus a last verify pass of k_max + 1 tokens; and block 0, the scratch block.
     need = -(-(context_tokens + spec.k_max + 1) // engine.block_size) + 1
     for role, cfg in models.items():
-        have = pool_blocks(cfg, engine.kv_cache_mb * share[role], engine.block_size)
+        have = pool_blocks(cfg, engine.kv_cache_mb * share[role], engine.block_size, dtype)
         if have >= need:
             continue
-        mb_per_block = _PROBE_MB / pool_blocks(cfg, _PROBE_MB, engine.block_size)
+        mb_per_block = _PROBE_MB / pool_blocks(cfg, _PROBE_MB, engine.block_size, dtype)
         enough = math.ceil(need * mb_per_block / share[role] * 10) / 10
-        while pool_blocks(cfg, enough * share[role], engine.block_size) < need:  # float rounding: a step or two
+        while pool_blocks(cfg, enough * share[role], engine.block_size, dtype) < need:  # float rounding: a step or two
             enough = round(enough + 0.1, 1)
         share_hint = " (or raise spec.draft_share)" if role == "draft" else ""
         return ConfigProblem(

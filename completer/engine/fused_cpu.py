@@ -9,7 +9,9 @@ fused layer reads the same paged K/V pool and block tables as
 rows x tokens here, longer prefills through torch (its bf16 GEMMs win there).
 
 Int4 targets only (`model.precision = "int4"`, the CPU default): the layer's
-GEMMs are Q4_1 x Q8, llama.cpp's CPU math.
+GEMMs are Q4_1 x Q8, llama.cpp's CPU math (`engine.fused_cpu_q8`, default;
+on AVX512-VNNI the weights are packed in tiles of 16 rows for it), or Q4_1 x
+fp32 activations.
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ class FusedCpuLayers:
 
     def __init__(self, model: Transformer, q8: bool = False, threads: int = 0):
         """q8: activations quantized to 8 bits per block of 32 for the GEMMs
-        (llama.cpp's math: ~20% less GEMM time here, but the rounding of each
-        activation moves logits: top-1 agreement with the fp32-activation path
-        ~85% on code); else fp32 activations."""
+        (llama.cpp's math; its reference is `Int4Linear.q8_activations`);
+        else fp32 activations."""
         from completer_kernels.cpu_decode import extension, pack_q4, pack_q4_tiles
 
         cfg = model.config

@@ -48,8 +48,8 @@ class ModelRunner:
         dst = torch.tensor(dst_slots, device=self.device)
         angles = shift * self.model.inv_freq.float()
         angles = torch.cat((angles, angles))
-        k = self.pool.k.index_select(1, src)  # [layers, n, kv heads, head dim]
-        self.pool.k.index_copy_(1, dst, apply_rope(k, angles.cos(), angles.sin()))
+        k = self.pool.k.index_select(1, src).float()  # [layers, n, kv heads, head dim]
+        self.pool.k.index_copy_(1, dst, apply_rope(k, angles.cos(), angles.sin()).to(self.pool.k.dtype))
         self.pool.v.index_copy_(1, dst, self.pool.v.index_select(1, src))
 
     @torch.inference_mode()

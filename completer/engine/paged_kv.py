@@ -1,5 +1,6 @@
-"""The paged K/V tensors of one model, in fp32 whatever the weights' precision
-(attention runs in fp32).
+"""The paged K/V tensors of one model. Stored in `engine.kv_dtype` ("auto":
+fp16 on CPU, where each decode step's attention is bound by reading them, fp32
+elsewhere); attention's math is fp32 whatever the storage.
 
 Layout: `k[layer]` is [num_blocks * block_size, kv_heads, head_dim], so the
 K/V of token t of a sequence sit at slot `table[t // bs] * bs + t % bs`. A
@@ -14,26 +15,34 @@ import torch
 from completer.model import ModelConfig
 
 
-KV_DTYPE = torch.float32
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int) -> int:
+def kv_dtype(setting: str, device: str | torch.device) -> torch.dtype:
+    """`engine.kv_dtype` on `device`: "auto" is fp16 on CPU (llama.cpp's default
+    too; half the bytes a step's attention streams), fp32 on CUDA."""
+    if setting == "auto":
+        return torch.float16 if torch.device(device).type == "cpu" else torch.float32
+    return KV_DTYPES[setting]
+
+
+def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int, dtype: torch.dtype = torch.float32) -> int:
     """How many blocks of K and V fit in `budget_mb`."""
-    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
-        torch.tensor([], dtype=KV_DTYPE).element_size()
+    per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     return int(budget_mb * 2**20 // per_block)
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed on one thread: a parallel fill would give the building thread an
         # OpenMP team for good (see engine.run_in_passing_thread).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            self.k = torch.zeros(shape, dtype=KV_DTYPE, device=device)
-            self.v = torch.zeros(shape, dtype=KV_DTYPE, device=device)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         finally:
             torch.set_num_threads(threads)
         self.block_size = block_size
