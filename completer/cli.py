@@ -138,7 +138,7 @@ def check_models(config: Config) -> None:
         draft_shape = shape(draft, "model.draft")
         if config.spec.draft_model:  # as EngineCore.build: a drafter left unused gets no KV pool
             shapes["draft"] = draft_shape
-    if problem := kv_cache_problem(config.engine, config.spec, m.context_tokens, shapes, device.type):
+    if problem := kv_cache_problem(config.engine, config.spec, m.context_tokens, shapes):
         raise ConfigError(problem.message)
 
 

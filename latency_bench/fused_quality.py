@@ -1,8 +1,8 @@
 """Does the fused CPU layer (#25) change what users are suggested? First-line
 exact match at the same held-out sites, served as `completer serve` serves them
 (the pipeline, the engine, the default speculation, greedy), with the fused
-layer as configured by default (8-bit activations, fp16 K/V), with fp32
-activations, with fp32 K/V, and without it (torch's ops), on the same weights
+layer as configured by default (8-bit activations, fp32 K/V), with fp32
+activations, with fp16 K/V, and without it (torch's ops), on the same weights
 in one run.
 
     python latency_bench/fused_quality.py                  # ~55 min on 2 cores (~7 min a row)
@@ -32,8 +32,8 @@ from completer.evaluate import heldout_files, line_starts, served  # noqa: E402
 from completer.loading import load_models  # noqa: E402
 from completer.pipeline import RequestOptions  # noqa: E402
 
-ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),  # (8-bit activations, fp16 K/V)
-        "fused_fp32_acts": EngineConfig(fused_cpu_q8=False), "fused_fp32_kv": EngineConfig(kv_dtype="fp32")}
+ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),  # (8-bit activations, fp32 K/V)
+        "fused_fp32_acts": EngineConfig(fused_cpu_q8=False), "fused_kv_fp16": EngineConfig(kv_dtype="fp16")}
 
 
 class Row(msgspec.Struct):

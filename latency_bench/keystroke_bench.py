@@ -79,10 +79,10 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "no_moved_kv": (KV, "engine.reuse_moved_kv=false"),
     "block_16": (KV, "engine.block_size=16"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
     "no_int4_dense": (KV, "model.int4_dense_rows=0"),
-    # The fused CPU layer (#25): off (torch's ops), on with fp32 activations, and with fp32 K/V.
+    # The fused CPU layer (#25): off (torch's ops), on with fp32 activations, and with fp16 K/V.
     "no_fused_cpu": (KV, "engine.fused_cpu=false"),
     "fused_fp32_acts": (KV, "engine.fused_cpu_q8=false"),
-    "kv_fp32": (KV, 'engine.kv_dtype="fp32"'),
+    "kv_fp16": (KV, "engine.kv_dtype=fp16"),
     # Context (#27): each keystroke sends the editor's 3 most recent other files, as the clients send
     # open buffers; retrieved windows (the default) or the files whole in order.
     "context": (KV,),

@@ -128,7 +128,7 @@ def test_the_kv_cache_size_suggested_holds_one_full_window_and_a_tenth_less_does
     from completer.engine.block_manager import BlockManager
     from completer.engine.config import EngineConfig, SpecConfig, kv_cache_problem
     from completer.engine.kv_cache_manager import KVCacheManager
-    from completer.engine.paged_kv import kv_dtype, pool_blocks
+    from completer.engine.paged_kv import KV_DTYPES, pool_blocks
     from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
 
     shapes = {"target": parse_config(EMBEDDED_TARGET / "config.json"),
@@ -143,7 +143,6 @@ def test_the_kv_cache_size_suggested_holds_one_full_window_and_a_tenth_less_does
     # The engine, built on that budget, takes a full-window request.
     share = {"target": 1 - spec.draft_share, "draft": spec.draft_share}
     bs = EngineConfig().block_size
-    dtype = kv_dtype(EngineConfig().kv_dtype, "cpu")  # (the pools' dtype on this machine)
-    pools = {role: BlockManager(pool_blocks(cfg, enough * share[role], bs, dtype), bs) for role, cfg in shapes.items()}
+    pools = {role: BlockManager(pool_blocks(cfg, enough * share[role], bs), bs) for role, cfg in shapes.items()}
     kv = KVCacheManager(pools, spec.k_max + 1)
     assert kv.too_large(context - 64, 64) is None

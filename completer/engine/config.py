@@ -31,9 +31,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # math): on AVX512-VNNI a keystroke's pass ~1.5x faster, exact match within noise of fp32
     # activations (BENCHMARKS.md); false: fp32 activations.
     fused_cpu_q8: bool = True
-    # How the K/V pool stores keys and values: "auto" = fp16 on CPU (a decode step's attention
-    # there is bound by reading them), fp32 on CUDA. Attention's math is fp32 either way.
-    kv_dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    # How the K/V pool stores keys and values; attention's math is fp32 either way. Measured on
+    # CPU (BENCHMARKS.md): fp16 ~5% off a keystroke's pass and half the memory per token, but
+    # first-line exact match 14.5% against fp32's 15.5% (200 sites), so fp32 stays the default.
+    kv_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     threads: int = 0  # CPU threads for prefill (compute-bound); 0 = torch's default
     decode_threads: int = 0  # CPU threads for decode steps; 0 = as `threads`
     # First tokens go out as soon as the prefill pass made them, and cancels that came
@@ -133,16 +134,16 @@ _PROBE_MB = 2.0 ** 20
 
 
 def kv_cache_problem(engine: EngineConfig, spec: SpecConfig, context_tokens: int,
-                     models: dict[str, ModelConfig], device: str = "cpu") -> ConfigProblem | None:
+                     models: dict[str, ModelConfig]) -> ConfigProblem | None:
     """Whether one request over the whole window fits each KV pool.
 
     models: role ("target", and "draft" when the drafter runs) -> its shape.
     The engine refuses a request whose worst case exceeds a pool
     (`KVCacheManager.too_large`); when not even a full-window request fits,
     every long prompt would be refused, so the start stops instead."""
-    from completer.engine.paged_kv import kv_dtype, pool_blocks  # imports torch: only callers with models get here
+    from completer.engine.paged_kv import KV_DTYPES, pool_blocks  # imports torch: only callers with models get here
 
-    dtype = kv_dtype(engine.kv_dtype, device)
+    dtype = KV_DTYPES[engine.kv_dtype]
 
     # As EngineCore.build splits the budget between the pools.
     share = {"target": 1 - spec.draft_share, "draft": spec.draft_share} if "draft" in models else {"target": 1.0}

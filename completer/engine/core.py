@@ -27,7 +27,7 @@ from completer.engine.fused_cpu import fused_layers_for
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.model_runner import ModelRunner
 from completer.engine.output_processor import OutputProcessor
-from completer.engine.paged_kv import KVPool, kv_dtype, pool_blocks
+from completer.engine.paged_kv import KV_DTYPES, KVPool, pool_blocks
 from completer.engine.remote_prefill import RemotePrefillSteps
 from completer.engine.proposers import DraftModelProposer, NgramProposer, Proposal
 from completer.engine.rejection_sampler import accept_greedy, accept_sampled
@@ -102,11 +102,10 @@ class EngineCore:
         share = {"target": 1 - spec.draft_share, "draft": spec.draft_share} if len(models) == 2 else {"target": 1}
         runners, pools = {}, {}
         for role, model in models.items():
-            device = next(model.parameters()).device
-            dtype = kv_dtype(config.kv_dtype, device)
+            dtype = KV_DTYPES[config.kv_dtype]
             n = (num_blocks or {}).get(role) or pool_blocks(model.config, config.kv_cache_mb * share[role],
                                                             config.block_size, dtype)
-            pool = KVPool(model.config, n, config.block_size, device, dtype)
+            pool = KVPool(model.config, n, config.block_size, next(model.parameters()).device, dtype)
             attention = config.paged_attention
             if attention == "auto":
                 attention = "triton" if pool.device.type == "cuda" else "torch"

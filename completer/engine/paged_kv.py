@@ -1,6 +1,6 @@
-"""The paged K/V tensors of one model. Stored in `engine.kv_dtype` ("auto":
-fp16 on CPU, where each decode step's attention is bound by reading them, fp32
-elsewhere); attention's math is fp32 whatever the storage.
+"""The paged K/V tensors of one model, stored in `engine.kv_dtype` (fp32 by
+default, or fp16 / bf16: half the bytes); attention's math is fp32 whatever
+the storage.
 
 Layout: `k[layer]` is [num_blocks * block_size, kv_heads, head_dim], so the
 K/V of token t of a sequence sit at slot `table[t // bs] * bs + t % bs`. A
@@ -16,14 +16,6 @@ from completer.model import ModelConfig
 
 
 KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def kv_dtype(setting: str, device: str | torch.device) -> torch.dtype:
-    """`engine.kv_dtype` on `device`: "auto" is fp16 on CPU (llama.cpp's default
-    too; half the bytes a step's attention streams), fp32 on CUDA."""
-    if setting == "auto":
-        return torch.float16 if torch.device(device).type == "cpu" else torch.float32
-    return KV_DTYPES[setting]
 
 
 def pool_blocks(cfg: ModelConfig, budget_mb: float, block_size: int, dtype: torch.dtype = torch.float32) -> int:
