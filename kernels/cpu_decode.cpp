@@ -601,6 +601,18 @@ inline void weighted_sum(const float* p, const KV* const* rows, int64_t n, int64
 // read once for all its new tokens and heads (a position's K/V rows of every
 // head are contiguous in the pool, so a span streams, and stays in L2 while its
 // tokens and heads take their turns), and the spans' softmax partials merged after.
+constexpr int64_t PREFETCH_AHEAD = 16;  // positions
+
+inline void prefetch(const void* p, int64_t bytes, int hint) {
+#if defined(__SSE__)
+  for (int64_t off = 0; off < bytes; off += 64) {
+    const char* line = static_cast<const char*>(p) + off;
+    if (hint == _MM_HINT_T0) _mm_prefetch(line, _MM_HINT_T0);
+    else _mm_prefetch(line, _MM_HINT_T1);
+  }
+#endif
+}
+
 template <typename KV>
 void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads,
             int64_t hd,
@@ -634,6 +646,13 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
       scores.resize(tokens_per_row * heads * count);
       for (int64_t j = first; j < last; j += 4) {
         const int64_t n4 = std::min<int64_t>(4, last - j);
+        if (j + PREFETCH_AHEAD < last) {  // blocks are scattered in the pool: the prefetcher cannot guess the next
+          const int64_t at = j + PREFETCH_AHEAD;
+          const int64_t row = (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * kv_stride;
+          const int64_t bytes = std::min<int64_t>(4, block_size - at % block_size) * kv_stride * sizeof(KV);
+          prefetch(kpool + row, bytes, _MM_HINT_T0);
+          prefetch(vpool + row, bytes, _MM_HINT_T1);  // read after the span's scores
+        }
         const KV* k4[4];
         for (int64_t c = 0; c < 4; ++c) {
           const int64_t at = j + std::min(c, n4 - 1);
