@@ -83,6 +83,7 @@ class Int8Linear(nn.Module):
         span = torch.zeros(1, self.in_features)
         span[0, :2] = torch.tensor([-1.0, 1.0])
         self.register_buffer("span_row", span)
+        self.q8_activations = False  # q8_product_int8's math (a reference for the fused layer's int8 tiles)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weights as int8 [N, K] and their scale per output channel (fp32 [N])."""
@@ -91,6 +92,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
+        if self.q8_activations:
+            y = q8_product_int8(x2, *self.int8_weight())
+            return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
         rows = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)
         x2 = torch.cat((x2 / rows, self.span_row))
         if torch.compiler.is_compiling():
@@ -135,6 +139,16 @@ def q8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch
     dots = torch.einsum("mgj,ngj->mng", qx, q.float().view(N, G, -1))  # exact integer sums
     sums = x.float().view(x.shape[0], G, -1).sum(-1)
     return (dots * dx[..., 0][:, None, :] * scale).sum(-1) + sums @ low.T
+
+
+def q8_product_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times int8 weights q [N, K] with a scale per row [N], the
+    activations rounded to 8 bits per block of 32 (the fused layer's VNNI
+    kernel at int8): scale * sum over blocks of dx * sum(q * qx)."""
+    N, K = q.shape
+    qx, dx = q8_blocks(x, INT4_GROUP)
+    dots = torch.einsum("mgj,ngj->mng", qx, q.float().view(N, K // INT4_GROUP, INT4_GROUP))  # exact integer sums
+    return (dots * dx[..., 0][:, None, :]).sum(-1) * scale
 
 
 class Int4Linear(nn.Module):

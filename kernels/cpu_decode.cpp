@@ -44,14 +44,19 @@ constexpr int PAIR_BYTES = 40;  // two blocks: fp16 d0 d1, fp16 m0 m1, 32 bytes 
 // dpbusd multiplies 4 weights of 16 rows by 4 broadcast activations, so the
 // sums land per output row with no horizontal reduction, and a tile's unpacked
 // weights serve several activation rows (a prefill) from registers.
+// The int8 model's weights take the same tiles, a byte a weight: per block the rows' fp32
+// scales, 128 * each row's sum of the block's weights (int32), then 8 x 64 bytes.
 constexpr int TILE_ROWS = 16;
-constexpr int TILE_BYTES = 64 + 256;  // per block of a tile
+constexpr int TILE_BYTES = 64 + 256;        // per block of a 4-bit tile
+constexpr int I8_TILE_BYTES = 128 + 512;    // per block of an 8-bit tile
+
+enum class Layout { Pairs, Tiles4, Tiles8 };
 
 struct Q4Matrix {
-  const uint8_t* data;  // pairs [n, k / 64, PAIR_BYTES] or tiles [n / 16, k / 32, TILE_BYTES]
+  const uint8_t* data;  // pairs [n, k / 64, PAIR_BYTES] or tiles [n / 16, k / 32, TILE_BYTES or I8_TILE_BYTES]
   const float* bias;    // [n] or null
   int64_t n, k;
-  bool tiled;
+  Layout layout;
 };
 
 // Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x.
@@ -262,7 +267,11 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // R quantized activation rows against one tile (16 weight rows): y[r, 0..15].
-template <int R>
+// 4-bit tiles (INT8 false): per block d * dx * sum(q qx) + m * sum(x), q unsigned, qx signed.
+// 8-bit tiles (the int8 model's weights w, |w| <= 63, a scale per row): dpbusd wants one side
+// unsigned, so it multiplies qx + 128 (qx ^ 0x80) by w and each block subtracts 128 * sum(w),
+// stored with the block: per block scale * dx * sum(w qx).
+template <bool INT8, int R>
 inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx, const float* sx, int64_t k,
                          float* y, int64_t y_stride, const float* bias) {
   const int64_t blocks = k / QK;
@@ -270,27 +279,38 @@ inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx,
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = tile + b * TILE_BYTES;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
-    __m512i w[8];
-    for (int h = 0; h < 4; ++h) {
-      const __m512i packed = _mm512_loadu_si512(block + 64 + 64 * h);
-      w[h] = _mm512_and_si512(packed, low_mask);
-      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+    const uint8_t* block = tile + b * (INT8 ? I8_TILE_BYTES : TILE_BYTES);
+    __m512 d, m;
+    __m512i w[8], offset;
+    if constexpr (INT8) {
+      d = _mm512_loadu_ps(block);
+      offset = _mm512_loadu_si512(block + 64);
+      for (int h = 0; h < 8; ++h) w[h] = _mm512_loadu_si512(block + 128 + 64 * h);
+    } else {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+      for (int h = 0; h < 4; ++h) {
+        const __m512i packed = _mm512_loadu_si512(block + 64 + 64 * h);
+        w[h] = _mm512_and_si512(packed, low_mask);
+        w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = qx + r * k + b * QK;
       // two chains of four: a block's integer sum is not one long dependency
-      __m512i s0 = _mm512_dpbusd_epi32(zero, w[0], broadcast4(xb));
-      __m512i s1 = _mm512_dpbusd_epi32(zero, w[4], broadcast4(xb + 16));
+      auto dp = [&](__m512i sum, int h) {
+        return INT8 ? _mm512_dpbusd_epi32(sum, broadcast4(xb + 4 * h), w[h])
+                    : _mm512_dpbusd_epi32(sum, w[h], broadcast4(xb + 4 * h));
+      };
+      __m512i s0 = dp(zero, 0), s1 = dp(zero, 4);
       for (int h = 1; h < 4; ++h) {
-        s0 = _mm512_dpbusd_epi32(s0, w[h], broadcast4(xb + 4 * h));
-        s1 = _mm512_dpbusd_epi32(s1, w[h + 4], broadcast4(xb + 16 + 4 * h));
+        s0 = dp(s0, h);
+        s1 = dp(s1, h + 4);
       }
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+      __m512i sum = _mm512_add_epi32(s0, s1);
+      if constexpr (INT8) sum = _mm512_sub_epi32(sum, offset);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
+      if constexpr (!INT8) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
     }
   }
   const __m512 bias16 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -299,22 +319,31 @@ inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx,
 
 // y[m, n] for a tiled matrix: each thread takes runs of tiles, all m rows at once (four at a time
 // from registers; a tile's k / 32 blocks stay in L1 between the groups of four).
-void q4_gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
-  const int64_t tiles = w.n / TILE_ROWS, tile_bytes = (w.k / QK) * TILE_BYTES, blocks = w.k / QK;
+template <bool INT8>
+void gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
+  const int64_t blocks = w.k / QK, tiles = w.n / TILE_ROWS;
+  const int64_t tile_bytes = blocks * (INT8 ? I8_TILE_BYTES : TILE_BYTES);
+  std::vector<int8_t> flipped;  // qx + 128, the unsigned side of the 8-bit tiles' products
+  const int8_t* qx = x.q.data();
+  if constexpr (INT8) {
+    flipped.resize(x.q.size());
+    for (size_t i = 0; i < flipped.size(); ++i) flipped[i] = static_cast<int8_t>(x.q[i] ^ 0x80);
+    qx = flipped.data();
+  }
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * workers.threads()));
   workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w.data + t * tile_bytes;
       const float* bias = w.bias ? w.bias + t * TILE_ROWS : nullptr;
       for (int64_t r = 0; r < x.m;) {
-        const int8_t* q = x.q.data() + r * w.k;
+        const int8_t* q = qx + r * w.k;
         const float *d = x.d.data() + r * blocks, *s = x.s.data() + r * blocks;
         float* out = y + r * w.n + t * TILE_ROWS;
         switch (std::min<int64_t>(4, x.m - r)) {
-          case 4: tile_rows_q8<4>(tile, q, d, s, w.k, out, w.n, bias); r += 4; break;
-          case 3: tile_rows_q8<3>(tile, q, d, s, w.k, out, w.n, bias); r += 3; break;
-          case 2: tile_rows_q8<2>(tile, q, d, s, w.k, out, w.n, bias); r += 2; break;
-          default: tile_rows_q8<1>(tile, q, d, s, w.k, out, w.n, bias); r += 1; break;
+          case 4: tile_rows_q8<INT8, 4>(tile, q, d, s, w.k, out, w.n, bias); r += 4; break;
+          case 3: tile_rows_q8<INT8, 3>(tile, q, d, s, w.k, out, w.n, bias); r += 3; break;
+          case 2: tile_rows_q8<INT8, 2>(tile, q, d, s, w.k, out, w.n, bias); r += 2; break;
+          default: tile_rows_q8<INT8, 1>(tile, q, d, s, w.k, out, w.n, bias); r += 1; break;
         }
       }
     }
@@ -324,13 +353,14 @@ void q4_gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, fl
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
 void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
-  if (w.tiled) {
+  if (w.layout != Layout::Pairs) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-    TORCH_CHECK(x.q8, "tiled q4 weights take 8-bit activations");
-    q4_gemm_tiled(workers, x, w, y);
+    TORCH_CHECK(x.q8, "tiled weights take 8-bit activations");
+    if (w.layout == Layout::Tiles4) gemm_tiled<false>(workers, x, w, y);
+    else gemm_tiled<true>(workers, x, w, y);
     return;
 #else
-    TORCH_CHECK(false, "tiled q4 weights need AVX512-VNNI");
+    TORCH_CHECK(false, "tiled weights need AVX512-VNNI");
 #endif
   }
   const int64_t pairs = w.k / 64, row_bytes = pairs * PAIR_BYTES, blocks = w.k / QK;
@@ -708,12 +738,15 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
 }
 
 Q4Matrix matrix(const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
-              (packed.size(2) == PAIR_BYTES || packed.size(2) == TILE_BYTES),
-              "q4 weights: a contiguous uint8 [n, k / 64, 40] (pairs) or [n / 16, k / 32, 320] (tiles) tensor");
-  const bool tiled = packed.size(2) == TILE_BYTES;
+  const int64_t width = packed.dim() == 3 ? packed.size(2) : 0;
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() &&
+              (width == PAIR_BYTES || width == TILE_BYTES || width == I8_TILE_BYTES),
+              "packed weights: a contiguous uint8 [n, k / 64, 40] (4-bit pairs), [n / 16, k / 32, 320] "
+              "(4-bit tiles) or [n / 16, k / 32, 640] (8-bit tiles) tensor");
+  const Layout layout = width == PAIR_BYTES ? Layout::Pairs : width == TILE_BYTES ? Layout::Tiles4 : Layout::Tiles8;
+  const bool tiled = layout != Layout::Pairs;
   return {packed.data_ptr<uint8_t>(), bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
-          tiled ? packed.size(0) * TILE_ROWS : packed.size(0), packed.size(1) * (tiled ? QK : 64), tiled};
+          tiled ? packed.size(0) * TILE_ROWS : packed.size(0), packed.size(1) * (tiled ? QK : 64), layout};
 }
 
 }  // namespace

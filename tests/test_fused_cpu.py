@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from completer.cpu_quant import Int4Linear, int4_groups
+from completer.cpu_quant import Int4Linear, Int8Linear, int4_groups, q8_product_int8
 from completer.engine.attention import AttentionMetadata, PassInterrupted, TorchAttention
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.fused_cpu import FusedCpuLayers, FusedUnsupported, fused_layers_for
@@ -33,14 +33,15 @@ def int4():
     return load(EMBEDDED_TARGET, "int4")
 
 
-def reference_model(q8_activations: bool):
-    """The same int4 projections and int8 head multiplied in fp32 by torch's ops
-    (activations rounded to 8 bits per block of 32 as llama.cpp does, or not rounded)."""
-    ref = load(EMBEDDED_TARGET, "int4")
+def reference_model(q8_activations: bool, precision: str = "int4"):
+    """The same int4 (or int8) projections and int8 head multiplied in fp32 by torch's
+    ops (activations rounded to 8 bits per block of 32 as llama.cpp does, or not rounded)."""
+    ref = load(EMBEDDED_TARGET, precision)
     for m in ref.model.modules():
         if isinstance(m, Int4Linear):
             m.compute_dtype = torch.float32
             m.keep_dense(1)
+        if isinstance(m, (Int4Linear, Int8Linear)):
             m.q8_activations = q8_activations
     weight, scale = ref.model.lm_head.int8_weight()
     ref.model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -56,6 +57,11 @@ def reference():
 @pytest.fixture(scope="module")
 def reference_q8():
     return reference_model(q8_activations=True)
+
+
+def vnni_only(ext):
+    if ext.simd() != "avx512-vnni":
+        pytest.skip(f"the tiled kernels are AVX512-VNNI's; this machine's build is {ext.simd()}")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -77,8 +83,7 @@ def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(e
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_the_tiled_vnni_gemm_equals_the_pairs_kernel_and_the_torch_reference(ext, rows):
-    if ext.simd() != "avx512-vnni":
-        pytest.skip(f"the tiled kernel is AVX512-VNNI's; this machine's build is {ext.simd()}")
+    vnni_only(ext)
     torch.manual_seed(rows)
     q, scale, low = int4_groups(torch.randn(208, 320) * 0.05)
     tiles = cpu_decode.pack_q4_tiles(q, scale, low)
@@ -93,6 +98,17 @@ def test_the_tiled_vnni_gemm_equals_the_pairs_kernel_and_the_torch_reference(ext
         ext.q4_linear(x, tiles, bias, False)
     with pytest.raises(ValueError, match="multiple of 16 x 32"):
         cpu_decode.pack_q4_tiles(*int4_groups(torch.randn(24, 64)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_the_int8_tiles_equal_their_torch_reference(ext, rows):
+    vnni_only(ext)
+    torch.manual_seed(rows)
+    linear = Int8Linear(torch.randn(208, 320) * 0.05, torch.randn(208))
+    q, scale = linear.int8_weight()
+    x = torch.randn(rows, 320)
+    torch.testing.assert_close(ext.q4_linear(x, cpu_decode.pack_i8_tiles(q, scale), linear.bias, True),
+                               q8_product_int8(x, q, scale) + linear.bias, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -148,6 +164,14 @@ def test_with_8bit_activations_the_engine_decodes_what_the_q8_reference_decodes(
     assert fused_layers_for(int4.model, q8=True) is not None
     want = greedy_text(reference_q8, fused=False, speculation=speculation)
     assert greedy_text(int4, fused=True, speculation=speculation, q8=True) == want
+
+
+def test_an_int8_model_decodes_through_the_fused_layer_what_its_q8_reference_decodes(ext):
+    vnni_only(ext)
+    int8 = load(EMBEDDED_TARGET, "int8")
+    assert fused_layers_for(int8.model, q8=True) is not None
+    want = greedy_text(reference_model(q8_activations=True, precision="int8"), fused=False, speculation=False)
+    assert greedy_text(int8, fused=True, speculation=False, q8=True) == want
 
 
 def test_an_interrupted_fused_pass_gives_up_and_leaves_the_sequence_where_it_was(int4):

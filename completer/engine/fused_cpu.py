@@ -8,10 +8,11 @@ fused layer reads the same paged K/V pool and block tables as
 `TorchAttention`, so the model runner switches per pass: up to `MAX_TOKENS`
 rows x tokens here, longer prefills through torch (its bf16 GEMMs win there).
 
-Int4 targets only (`model.precision = "int4"`, the CPU default): the layer's
+Int4 targets (`model.precision = "int4"`, the CPU default): the layer's
 GEMMs are Q4_1 x Q8, llama.cpp's CPU math (`engine.fused_cpu_q8`, default;
 on AVX512-VNNI the weights are packed in tiles of 16 rows for it), or Q4_1 x
-fp32 activations.
+fp32 activations. Int8 targets too where those tiles run (8-bit weights with
+a scale per row x Q8 activations); elsewhere int8 runs torch's ops.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class FusedCpuLayers:
 
     def __init__(self, model: Transformer, q8: bool = False, threads: int = 0):
         """q8: activations quantized to 8 bits per block of 32 for the GEMMs
-        (llama.cpp's math; its reference is `Int4Linear.q8_activations`);
-        else fp32 activations."""
-        from completer_kernels.cpu_decode import extension, pack_q4, pack_q4_tiles
+        (llama.cpp's math; its reference is `q8_activations` on the int4 and
+        int8 linears); else fp32 activations."""
+        from completer_kernels.cpu_decode import extension, pack_i8_tiles, pack_q4, pack_q4_tiles
 
         cfg = model.config
         if model.inv_freq.device.type != "cpu":
@@ -55,10 +56,18 @@ class FusedCpuLayers:
 
         tiles = q8 and ext.simd() == "avx512-vnni"  # the layout VNNI multiplies without reductions
 
-        def q4(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if not isinstance(linear, Int4Linear):
-                raise FusedUnsupported(f"the fused layer takes int4 projections, not {type(linear).__name__}")
+        def packed(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             bias = None if linear.bias is None else linear.bias.float().contiguous()
+            if isinstance(linear, Int8Linear):
+                if not tiles:
+                    raise FusedUnsupported("int8 projections run through the fused layer only with 8-bit "
+                                           f"activations on AVX512-VNNI (this build: {ext.simd()}, q8 {q8})")
+                try:
+                    return pack_i8_tiles(*linear.int8_weight()), bias
+                except ValueError as e:
+                    raise FusedUnsupported(str(e)) from None
+            if not isinstance(linear, Int4Linear):
+                raise FusedUnsupported(f"the fused layer takes int4 or int8 projections, not {type(linear).__name__}")
             groups = linear.groups()
             if tiles and groups[0].shape[0] % 16 == 0:
                 return pack_q4_tiles(*groups), bias
@@ -71,9 +80,9 @@ class FusedCpuLayers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_proj is None or mlp.gate_up_proj is None:
                 raise FusedUnsupported("the fused layer needs fused projections (model.fuse_projections)")
-            self.impl.add_layer(layer.input_layernorm.weight.detach().float(), *q4(attn.qkv_proj),
-                                *q4(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
-                                *q4(mlp.gate_up_proj), *q4(mlp.down_proj))
+            self.impl.add_layer(layer.input_layernorm.weight.detach().float(), *packed(attn.qkv_proj),
+                                *packed(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
+                                *packed(mlp.gate_up_proj), *packed(mlp.down_proj))
 
         if not isinstance(model.lm_head, Int8Linear):
             raise FusedUnsupported(f"the fused layer takes an int8 output head, not {type(model.lm_head).__name__}")

@@ -147,7 +147,8 @@ class App:
         if on_loaded is not None:
             on_loaded()
         loop = asyncio.get_running_loop()
-        if self.config.engine.fused_cpu and self.target.precision == "int4" and self.config.model.device == "cpu" \
+        if self.config.engine.fused_cpu and self.target.precision in ("int4", "int8") \
+                and self.config.model.device == "cpu" \
                 and not cpu_decode.built():
             self.progress.enter("starting the engine", "compiling the fused CPU layer (once on this machine)")
             with contextlib.suppress(cpu_decode.FusedUnavailable):  # said once, where the engine is built
