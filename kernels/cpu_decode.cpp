@@ -633,14 +633,17 @@ inline void weighted_sum(const float* p, const KV* const* rows, int64_t n, int64
 // tokens and heads take their turns), and the spans' softmax partials merged after.
 constexpr int64_t PREFETCH_AHEAD = 16;  // positions
 
-inline void prefetch(const void* p, int64_t bytes, int hint) {
-#if defined(__SSE__)
+// into L1 (near) or L2 (far)
+inline void prefetch(const void* p, int64_t bytes, bool near) {
   for (int64_t off = 0; off < bytes; off += 64) {
     const char* line = static_cast<const char*>(p) + off;
-    if (hint == _MM_HINT_T0) _mm_prefetch(line, _MM_HINT_T0);
+#if defined(__SSE__)
+    if (near) _mm_prefetch(line, _MM_HINT_T0);
     else _mm_prefetch(line, _MM_HINT_T1);
-  }
+#else
+    __builtin_prefetch(line, 0, near ? 3 : 2);
 #endif
+  }
 }
 
 template <typename KV>
@@ -680,8 +683,8 @@ void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride
           const int64_t at = j + PREFETCH_AHEAD;
           const int64_t row = (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * kv_stride;
           const int64_t bytes = std::min<int64_t>(4, block_size - at % block_size) * kv_stride * sizeof(KV);
-          prefetch(kpool + row, bytes, _MM_HINT_T0);
-          prefetch(vpool + row, bytes, _MM_HINT_T1);  // read after the span's scores
+          prefetch(kpool + row, bytes, true);
+          prefetch(vpool + row, bytes, false);  // read after the span's scores
         }
         const KV* k4[4];
         for (int64_t c = 0; c < 4; ++c) {
