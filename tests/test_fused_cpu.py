@@ -64,17 +64,29 @@ def vnni_only(ext):
         pytest.skip(f"the tiled kernels are AVX512-VNNI's; this machine's build is {ext.simd()}")
 
 
+def packed_both_ways(pack, unpack, q, scale, low):
+    """The 4-bit groups packed; unpacking gives them back exactly."""
+    packed = pack(q, scale, low)
+    back = unpack(packed)
+    assert torch.equal(back[0], q.float()) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    return packed
+
+
+def assert_q8_reference(ext, x, packed, bias):
+    """The extension's product with 8-bit activations equals the torch reference's; returns it."""
+    got = ext.q4_linear(x, packed, bias, True)
+    torch.testing.assert_close(got, cpu_decode.q4_linear_reference(x, packed, bias), atol=1e-4, rtol=1e-5)
+    return got
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(ext, rows):
     torch.manual_seed(rows)
     w = torch.randn(200, 320) * 0.05
     q, scale, low = int4_groups(w)
-    pairs = cpu_decode.pack_q4(q, scale, low)
-    back = cpu_decode.unpack_q4(pairs)
-    assert torch.equal(back[0], q.float()) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    pairs = packed_both_ways(cpu_decode.pack_q4, cpu_decode.unpack_q4, q, scale, low)
     x, bias = torch.randn(rows, 320), torch.randn(200)
-    torch.testing.assert_close(ext.q4_linear(x, pairs, bias, True), cpu_decode.q4_linear_reference(x, pairs, bias),
-                               atol=1e-4, rtol=1e-5)
+    assert_q8_reference(ext, x, pairs, bias)
     dense = (q.float().view(200, -1, 32) * scale[..., None] + low[..., None]).view(200, 320)
     torch.testing.assert_close(ext.q4_linear(x, pairs, bias, False), x @ dense.T + bias, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of 64"):
@@ -82,33 +94,24 @@ def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(e
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_the_tiled_vnni_gemm_equals_the_pairs_kernel_and_the_torch_reference(ext, rows):
+def test_the_tiled_vnni_gemms_equal_the_pairs_kernel_and_the_torch_references(ext, rows):
     vnni_only(ext)
     torch.manual_seed(rows)
     q, scale, low = int4_groups(torch.randn(208, 320) * 0.05)
-    tiles = cpu_decode.pack_q4_tiles(q, scale, low)
-    back = cpu_decode.unpack_q4_tiles(tiles)
-    assert torch.equal(back[0], q.float()) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    tiles = packed_both_ways(cpu_decode.pack_q4_tiles, cpu_decode.unpack_q4_tiles, q, scale, low)
     x, bias = torch.randn(rows, 320), torch.randn(208)
-    got = ext.q4_linear(x, tiles, bias, True)
-    torch.testing.assert_close(got, cpu_decode.q4_linear_reference(x, tiles, bias), atol=1e-4, rtol=1e-5)
+    got = assert_q8_reference(ext, x, tiles, bias)
     torch.testing.assert_close(got, ext.q4_linear(x, cpu_decode.pack_q4(q, scale, low), bias, True),
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="8-bit activations"):
         ext.q4_linear(x, tiles, bias, False)
     with pytest.raises(ValueError, match="multiple of 16 x 32"):
         cpu_decode.pack_q4_tiles(*int4_groups(torch.randn(24, 64)))
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_the_int8_tiles_equal_their_torch_reference(ext, rows):
-    vnni_only(ext)
-    torch.manual_seed(rows)
-    linear = Int8Linear(torch.randn(208, 320) * 0.05, torch.randn(208))
-    q, scale = linear.int8_weight()
-    x = torch.randn(rows, 320)
-    torch.testing.assert_close(ext.q4_linear(x, cpu_decode.pack_i8_tiles(q, scale), linear.bias, True),
-                               q8_product_int8(x, q, scale) + linear.bias, atol=1e-4, rtol=1e-5)
+    # The int8 model's weights in the same tiles, a byte each.
+    linear = Int8Linear(torch.randn(208, 320) * 0.05, bias)
+    q8, scale8 = linear.int8_weight()
+    torch.testing.assert_close(ext.q4_linear(x, cpu_decode.pack_i8_tiles(q8, scale8), bias, True),
+                               q8_product_int8(x, q8, scale8) + bias, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
