@@ -24,8 +24,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # On CPU: torch.compile the layers' dense halves at start. Off by default: measured
     # (BENCHMARKS.md, CPU decode) it gains only at int4, and costs seconds at start.
     compile: bool = False
-    # On CPU at int4: passes of up to 32 new tokens (decode, verify, a keystroke's prefill) run each
-    # layer as one C++ call (kernels/cpu_decode.cpp, compiled here at first use; engine/fused_cpu.py).
+    # On CPU at int4 (and int8 on AVX512-VNNI): passes of up to 32 new tokens (decode, verify, a
+    # keystroke's prefill) run each layer as one C++ call (kernels/cpu_decode.cpp, compiled here at first use; engine/fused_cpu.py).
     fused_cpu: bool = True
     # The fused layer's 4-bit GEMMs with activations rounded to 8 bits per block of 32 (llama.cpp's
     # math): on AVX512-VNNI a keystroke's pass ~1.5x faster, exact match within noise of fp32

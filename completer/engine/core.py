@@ -101,8 +101,8 @@ class EngineCore:
             models["draft"] = draft
         share = {"target": 1 - spec.draft_share, "draft": spec.draft_share} if len(models) == 2 else {"target": 1}
         runners, pools = {}, {}
+        dtype = KV_DTYPES[config.kv_dtype]
         for role, model in models.items():
-            dtype = KV_DTYPES[config.kv_dtype]
             n = (num_blocks or {}).get(role) or pool_blocks(model.config, config.kv_cache_mb * share[role],
                                                             config.block_size, dtype)
             pool = KVPool(model.config, n, config.block_size, next(model.parameters()).device, dtype)
