@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-HEADERS = (Path(__file__).with_name("cpu_workers.h"),)
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_gemm.h", "cpu_attention.h", "cpu_workers.h"))
 QK = 32  # weights per Q4_1 block
 PAIR_BYTES = 40  # two blocks: fp16 scales, fp16 minimums, 32 bytes of nibbles
 
