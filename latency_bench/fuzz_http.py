@@ -59,17 +59,38 @@ def request_bytes(rng: random.Random, port: int, body: bytes) -> bytes:
     return head.encode("utf-8", "surrogateescape") + body
 
 
-async def one(port: int, data: bytes, timeout: float) -> tuple[int | None, bytes, bytes]:
-    """(status or None, headers, body) of one request on its own connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def read_all(reader: asyncio.StreamReader) -> tuple[bytes, BaseException | None]:
+    """What the server sent until it closed, and the error that ended it, if any
+    (a reset after its answer keeps the answer)."""
+    raw = b""
     try:
-        writer.write(data)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    except (ConnectionError, TimeoutError) as e:
+        while chunk := await reader.read(65536):
+            raw += chunk
+    except ConnectionError as e:
+        return raw, e
+    return raw, None
+
+
+async def one(port: int, data: bytes, timeout: float) -> tuple[int | None, bytes, bytes]:
+    """(status or None, headers, body) of one request on its own connection. The
+    answer is read while the request is sent, as a browser or curl does: a server
+    may answer an oversized request and close before taking all of it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reading = asyncio.ensure_future(asyncio.wait_for(read_all(reader), timeout))
+    try:
+        try:
+            writer.write(data)
+            await writer.drain()
+        except ConnectionError:
+            pass  # closed mid-request: what it answered is still read below
+        raw, error = await reading
+    except TimeoutError as e:
         return None, b"", repr(e).encode()
     finally:
+        reading.cancel()
         writer.close()
+    if not raw and error is not None:
+        return None, b"", repr(error).encode()
     head, _, body = raw.partition(b"\r\n\r\n")
     try:
         return int(head.split(b" ", 2)[1]), head, body
