@@ -100,6 +100,7 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Te
 
 
 TILE_ROWS = 16
+TILE_BYTES = 64 + 256  # per block of a 4-bit tile: fp16 scales, fp16 minimums, 256 bytes of nibbles
 
 
 def pack_q4_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -161,5 +162,5 @@ def q4_linear_reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     torch (tests), for pairs or tiles."""
     from completer.cpu_quant import q8_product
 
-    y = q8_product(x, *(unpack_q4_tiles(packed) if packed.shape[-1] == 64 + 256 else unpack_q4(packed)))
+    y = q8_product(x, *(unpack_q4_tiles(packed) if packed.shape[-1] == TILE_BYTES else unpack_q4(packed)))
     return y if bias is None else y + bias
