@@ -70,6 +70,7 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "no_ngram": (KV, "spec.ngram=false"),
     "no_speculation": (KV, "model.draft=", "spec.ngram=false"),
     "no_between_passes": (KV, "engine.between_passes=false"),
+    "no_yield_to_loop": (KV, "engine.yield_to_loop_ms=0"),
     "fp8": (KV, "model.precision=fp8"),  # on a CPU, an emulation (quality, not speed)
     # The keystroke path's switches (#25), each off alone, and all off at the precision
     # `auto` chose before (bf16 where native): the path as it was.
@@ -77,7 +78,10 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "eager_draft_prefill": (KV, "spec.defer_draft_prefill=false"),
     "no_interrupt": (KV, "engine.interrupt_superseded=false"),
     "no_moved_kv": (KV, "engine.reuse_moved_kv=false"),
-    "block_16": (KV, "engine.block_size=16"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
+    "block_16": (KV, "engine.block_size=16"),
+    "block_4": (KV, "engine.block_size=4"),
+    "block_2": (KV, "engine.block_size=2"),
+    "block_1": (KV, "engine.block_size=1"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
     "no_int4_dense": (KV, "model.int4_dense_rows=0"),
     # The fused CPU layer (#25): off (torch's ops), on with fp32 activations, and with fp16 K/V.
     "no_fused_cpu": (KV, "engine.fused_cpu=false"),

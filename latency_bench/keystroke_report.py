@@ -46,6 +46,23 @@ def both_finished(mine: dict, theirs: dict) -> tuple[float, float, int] | None:
     return sum(a[k] for k in sites) / len(sites), sum(b[k] for k in sites) / len(sites), len(sites)
 
 
+def both_answered(mine: dict, theirs: dict, key: str) -> str:
+    """p50 / p99 of two runs' latencies (`ttft_sites` or `line_sites`) on the
+    keystrokes both have a figure for: a keystroke one row never answered is
+    left out of both, so neither wins by what it lacks."""
+    from replay import percentile_ms
+
+    a, b = mine.get(key), theirs.get(key)
+    if a is None or b is None:
+        return "-"
+    sites = a.keys() & b.keys()
+    figures = []
+    for q in (0.5, 0.99):
+        x, y = (percentile_ms([row[k] for k in sites], q) for row in (a, b))
+        figures.append(f"p{round(q * 100)} {fmt(x)} vs {fmt(y)} ms ({ratio(x, y)})")
+    return ", ".join(figures) + f" (n {len(sites)})"
+
+
 def table(result: dict) -> list[str]:
     rows = result["rows"]
     base = rows.get("all_on", {}).get("runs", {})
@@ -108,6 +125,8 @@ def aims(result: dict) -> list[str]:
             fastest = min((runs[n][key] for runs in peers.values() if n in runs and runs[n].get(key)), default=None)
             parts.append(f"{label} {fmt(a)} vs {fmt(b)} ms ({ratio(a, b)}; to llama.cpp's fastest row "
                          f"{ratio(a, fastest)})")
+        parts.append("on the keystrokes both answered, TTFT " + both_answered(mine, theirs, "ttft_sites")
+                     + "; on the lines both finished, line " + both_answered(mine, theirs, "line_sites"))
         verdict = "at or below" if ahead else "not at or below"
         if not theirs.get("completed") and not mine.get("completed"):
             verdict = "neither finished a suggestion"

@@ -291,6 +291,9 @@ def summarize(samples: list[Sample], deadline_ms: float = ReplayOptions().deadli
         "exact_n": len(typed),
         # editor-key -> exact, for comparing two rows on the sites both finished
         "finished_sites": {f"{s.editor}-{s.key}": s.text.rstrip() == s.expect.rstrip() for s in typed},
+        # editor-key -> ms, for comparing two rows' latencies on the keystrokes both answered or finished
+        "ttft_sites": {f"{s.editor}-{s.key}": round(s.ttft_s * 1000, 2) for s in samples if s.ttft_s is not None},
+        "line_sites": {f"{s.editor}-{s.key}": round(s.answer_s * 1000, 2) for s in ended},
         "cached_share": round(sum(s.cached_tokens for s in computed) / prompt, 4) if prompt else None,
         "shown": len(shown),
         "accepted_share": round(sum(accepted(s) for s in shown) / max(1, len(shown)), 4),

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache: bool = True  # reuse cached KV across requests
     kv_cache_mb: float = 256.0  # KV block pool budget (target and drafter together)
-    block_size: int = 4  # tokens per KV block: a warm keystroke recomputes its last, partly matched block
+    block_size: int = 2  # tokens per KV block: a warm keystroke recomputes its last, partly matched block
     max_running: int = 32  # sequences decoded together
     max_queue: int = 64  # waiting requests beyond this are refused (overloaded)
     prefill_chunk: int = 512  # prompt tokens per iteration, so decodes keep flowing
@@ -40,6 +40,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # First tokens go out as soon as the prefill pass made them, and cancels that came
     # meanwhile apply before the decode pass (else both wait for the step's end).
     between_passes: bool = True
+    # With between_passes: how long the engine waits for the event loop to write
+    # those first tokens before its next pass takes every core (0 = not at all):
+    # on 2 cores the loop otherwise got one only when the scheduler took it from
+    # the pass (a keystroke's first text 1.5-2 ms later at the median).
+    yield_to_loop_ms: float = 2.0
     # Token healing's backed-off token rides the prefill pass as a one-token
     # draft: when the healed first token is that token (most often), the pass
     # also made the second, and the first text is out a pass sooner.

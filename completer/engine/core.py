@@ -89,6 +89,14 @@ class EngineCore:
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
+        # With the fused CPU layer, torch's own ops between passes (logits, sampling,
+        # healing's mask) run on one thread: an OpenMP team of two beside the layer's
+        # spinning workers waited up to ~15 ms for a core; its passes through torch's
+        # ops take `prefill_threads` from the runner.
+        self.fused = any(runner.fused is not None for runner in runners.values())
+        if self.fused:
+            for runner in runners.values():
+                runner.torch_threads = self.prefill_threads
 
     @classmethod
     def build(cls, target: Transformer, draft: Transformer | None, tokenizer: TextTokenizer,
@@ -252,7 +260,7 @@ class EngineCore:
         if plan.expired:  # their answers go out now, not after this step's (maybe long) passes
             return self.output.drain()
         if plan.prefill:
-            torch.set_num_threads(self.prefill_threads)
+            torch.set_num_threads(1 if self.fused else self.prefill_threads)
             self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
             if self.between_passes is not None and self.config.between_passes:
@@ -262,7 +270,7 @@ class EngineCore:
                     self.abort(request_id)
         decoding = self.scheduler.decoding()
         if decoding:
-            torch.set_num_threads(self.decode_threads)
+            torch.set_num_threads(1 if self.fused else self.decode_threads)
             proposals = self.speculator.propose(decoding)
             accepted = self._verify(decoding, proposals)
             for seq, tokens in zip(decoding, accepted):

@@ -21,6 +21,7 @@ from completer.engine.request import Delta, EngineError, Failed, Finished, Reque
 from completer.loading import LoadedModel
 
 T = TypeVar("T")
+TRIM_AFTER_IDLE_S = 0.5  # idle this long: what the burst of work freed goes back to the system
 TRANSFER_POLL_S = 0.02  # while only workers' K/V are awaited: how often deadlines are checked
 log = logging.getLogger(__name__)
 # glibc keeps what a burst of work freed (a 2 MB document's tokens, a long
@@ -135,6 +136,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._cancels = 0  # cancels in the inbox (read without the lock: a stale count costs a layer)
+        self._sent = threading.Event()  # set by the loop once it has written what a pass produced
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
@@ -253,7 +255,11 @@ class Engine:
         busy = False  # since the memory was last handed back
         while True:
             with self._cond:
-                idle = not self._inbox and not core.has_work
+                if busy and not self._inbox and not core.has_work:
+                    # Trimmed once the editor has paused, not between keystrokes: a trim takes
+                    # ~2-3 ms, and a keystroke arriving meanwhile would wait for it.
+                    self._cond.wait(TRIM_AFTER_IDLE_S)
+                idle = not self._inbox and not core.has_work and not self._stopping
             if idle and busy and _malloc_trim is not None:
                 _malloc_trim(0)  # idle: the next request does not wait for it
                 busy = False
@@ -304,12 +310,33 @@ class Engine:
         the inbox keeps its place behind that request's `add`)."""
         if events:
             self._loop.call_soon_threadsafe(self._dispatch, as_delivered(events))
+            self._let_loop_send()
         with self._cond:
             ops = self._inbox
             now = [arg for op, arg in ops if op == "cancel" and arg in self.core.by_id]
             self._inbox = [(op, arg) for op, arg in ops if not (op == "cancel" and arg in now)]
             self._cancels = sum(op == "cancel" for op, _ in self._inbox)
         return now
+
+    def _let_loop_send(self) -> None:
+        """Wait (up to `engine.yield_to_loop_ms`) while the event loop writes the
+        first tokens out: the next pass keeps every core busy, and on a machine
+        with as many cores as the pass has threads the loop would otherwise get
+        one only when the scheduler takes it from the pass."""
+        wait_s = self.core.config.yield_to_loop_ms / 1000
+        if wait_s <= 0:
+            return
+        self._sent.clear()
+        # The stream wakes its relay, the relay the session's writer: the third
+        # turn of the loop after the dispatch runs after the write.
+        self._loop.call_soon_threadsafe(self._after_turns, 3)
+        self._sent.wait(wait_s)
+
+    def _after_turns(self, turns: int) -> None:
+        if turns <= 1:
+            self._sent.set()
+        else:
+            self._loop.call_soon(self._after_turns, turns - 1)
 
     def _dispatch(self, events: list) -> None:
         for request_id, event in events:

@@ -9,6 +9,8 @@ decode steps go through CUDA graphs where enabled.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Callable, Literal
 
 import torch
@@ -21,14 +23,29 @@ from completer.engine.sequence import CacheState
 from completer.model import Transformer, apply_rope
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's CPU threads for this thread meanwhile (n 0: unchanged)."""
+    before = torch.get_num_threads()
+    if n and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n and n != before:
+            torch.set_num_threads(before)
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: Literal["torch", "triton"] = "torch",
-                 cuda_graphs: bool = False, fused: FusedCpuLayers | None = None):
+                 cuda_graphs: bool = False, fused: FusedCpuLayers | None = None, torch_threads: int = 0):
         """attention "triton": passes of up to TritonAttention.MAX_NEW new tokens
         per row read K/V through the paged kernel; plain decode steps replay
         CUDA graphs if `cuda_graphs` (on CUDA). `fused`: passes it fits run
-        through the fused CPU layer."""
+        through the fused CPU layer. `torch_threads`: torch's CPU threads for a
+        pass through torch's ops (0: as the caller set them)."""
         self.fused = fused
+        self.torch_threads = torch_threads
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -84,8 +101,9 @@ class ModelRunner:
                 triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
                 backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written,
                                                                           interrupted)
-                hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
-                logits = self.model.logits(self._last(hidden, lens, last_only, last))
+                with torch_threads(self.torch_threads):
+                    hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
+                    logits = self.model.logits(self._last(hidden, lens, last_only, last))
         for state, n in zip(states, lens):
             state.computed += n
         return logits
