@@ -58,7 +58,7 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
     sites = a.keys() & b.keys()
     figures = []
     for q in (0.5, 0.99):
-        x, y = (percentile_ms([row[k] for k in sites], q) for row in (a, b))
+        x, y = (percentile_ms([row[k] / 1000 for k in sites], q) for row in (a, b))  # (sites hold ms)
         figures.append(f"p{round(q * 100)} {fmt(x)} vs {fmt(y)} ms ({ratio(x, y)})")
     return ", ".join(figures) + f" (n {len(sites)})"
 
