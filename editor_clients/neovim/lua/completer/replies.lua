@@ -60,8 +60,10 @@ function M.on_message(msg, recv_ns)
         S.cache:put(req.key, msg.text, req)
       end
     end
+    if req.n then require('completer.cycle').on_done(req, msg) end -- asked with candidates: the cycle's texts
     if S.req == req then core.refresh() end
-    if req.finish_pending or (S.req ~= req and S.spec ~= req) then core.finish(req) end
+    -- (A cycle's request is finished with the completion it was asked for.)
+    if req.finish_pending or (S.req ~= req and S.spec ~= req and not req.parent) then core.finish(req) end
   end
 end
 
