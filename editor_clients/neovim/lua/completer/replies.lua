@@ -34,7 +34,8 @@ local function ended(req, msg)
   S.requests[req.id] = nil
   req.done = msg
   table.insert(S.results, { id = req.id, kind = req.kind, type = msg.type, text = msg.text, reason = msg.reason,
-    code = msg.code, deltas = req.deltas, timings = msg.timings, shown = req.t_shown ~= nil,
+    code = msg.code, deltas = req.deltas, timings = msg.timings, shown = req.t_shown ~= nil, n = req.n,
+    candidates = type(msg.candidates) == 'table' and msg.candidates or nil,
     cancel_sent = req.cancel_sent == true })
   if #S.results > 50 then table.remove(S.results, 1) end
   if S.spec == req and msg.type ~= 'done' then S.spec = nil end
