@@ -5,6 +5,7 @@ snooze, wss:// with certificate checks, and files git ignores."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nvim_harness import free_port, keys, server_on, wait_until
-from server_harness import TOKEN
+from server_harness import ROOT, TOKEN
 from test_neovim import (SETTINGS, build, capture, editor, expand, idle, lua_current, no_errors,  # noqa: F401
                          pytestmark, sent, server, settle, setup, start_typing, status, type_until_completion)
 
@@ -386,3 +387,42 @@ def test_gitignored_files_are_excluded_on_request(server, editor, tmp_path):
     assert blocked() == "ignored by git"
     setup(editor, server, mode="line", max_tokens=8, exclude_gitignored=True)
     assert blocked() is None
+
+
+# -- 7. The docs state every setting, with its default --------------------------------
+
+
+def test_readme_and_help_state_every_setting_with_its_default(editor):
+    plugin = ROOT / "editor_clients" / "neovim"
+    readme = (plugin / "README.md").read_text()
+    block = re.search(r"```lua\n(require\('completer'\)\.setup\(\{\n.*?\n\}\))\n```", readme, re.S).group(1)
+    top = re.sub(r"--[^\n]*", "", block[block.index("{") + 1:block.rindex("}")])  # no comments
+    while re.search(r"\{[^{}]*\}", top):  # no nested tables (context, keymaps, filetypes)
+        top = re.sub(r"\{[^{}]*\}", "", top)
+    named = set(re.findall(r"(?:^|,)\s*(\w+) =", top, re.M))
+    config_lua = (plugin / "lua" / "completer" / "config.lua").read_text()
+    optional = set(re.findall(r"(\w+) = '\w+'", re.search(r"local OPTIONAL = \{(.*?)\n\}", config_lua, re.S).group(1)))
+    defaults = set(editor.lua("return vim.tbl_keys(require('completer.config').defaults)"))
+    assert named == defaults | optional, (named ^ (defaults | optional))
+    # The values: the README's table, evaluated, against config.lua's defaults.
+    differ = editor.lua("""
+        local code = (...):gsub("^require%('completer'%)%.setup%(", 'return '):gsub('%)$', '')
+        local readme = assert(loadstring(code))()
+        local out = {}
+        for k, v in pairs(require('completer.config').defaults) do
+          if not vim.deep_equal(readme[k], v) then out[#out + 1] = k end
+        end
+        for k in pairs(readme) do
+          if require('completer.config').defaults[k] == nil then out[#out + 1] = k .. ' (not nil)' end
+        end
+        return out""", block)
+    assert differ == [], differ
+    help_text = (plugin / "doc" / "completer.txt").read_text()
+    missing = [n for n in sorted(named) if not re.search(rf"(^|, ){n} = ", help_text, re.M)]
+    assert missing == [], missing
+    for cmd in ("CompleterSuggest", "CompleterNext", "CompleterPrev", "CompleterSnooze", "CompleterStatus"):
+        assert f"*:{cmd}*" in help_text and f":{cmd}" in readme, cmd
+        assert editor.nvim.funcs.exists(f":{cmd}") == 2, cmd
+    for key in ("<M-]>", "<M-[>", "<M-\\>"):
+        assert f"| `{key}`" in readme or f"`{key}` /" in readme, key
+    assert "*completer-troubleshooting*" in help_text and "checkhealth completer" in help_text
