@@ -161,9 +161,11 @@ def test_tab_jumps_in_a_vim_snippet(server, editor, tmp_path):
     start_typing(editor, tmp_path / "snip.py", "import os\n\n")
     editor.lua("vim.snippet.expand('value = $1\\nother = $2')")
     wait_until(lambda: editor.lua("return vim.snippet.active({direction = 1})"), 5, what="the snippet")
-    # Neovim 0.11 maps <Tab> for the session in the buffer itself, which would shadow
-    # ours; 0.10 maps nothing: take it away, so that the Tab below is ours.
-    editor.lua("if vim.fn.maparg('<Tab>', 'i', false, true).buffer == 1 then vim.keymap.del('i', '<Tab>', {buffer = 0}) end")
+    # Neovim 0.11 may map <Tab> in the buffer itself for the session, which would shadow
+    # ours (0.10 maps nothing): set it aside, so that the Tab below is ours; it goes back
+    # after the jump, for the session's own cleanup.
+    editor.lua("""local m = vim.fn.maparg('<Tab>', 'i', false, true)
+        if m.buffer == 1 then _G.snippet_tab = m; vim.keymap.del('i', '<Tab>', {buffer = 0}) end""")
     assert editor.nvim.funcs.maparg("<Tab>", "i", False, True)["desc"].startswith("completer")
     type_until_completion(editor, "os.pa")
     assert editor.lua("return vim.snippet.active({direction = 1})")
@@ -171,8 +173,14 @@ def test_tab_jumps_in_a_vim_snippet(server, editor, tmp_path):
     editor.nvim.input("<Tab>")
     wait_until(lambda: editor.nvim.current.window.cursor[0] == row + 1, 5, what="the jump to $2")
     assert editor.buffer_text() == before and editor.nvim.current.line.strip() == "other ="
-    # Past the snippet's last place Tab accepts again.
-    editor.lua("vim.snippet.stop()")
+    editor.lua("""local m = _G.snippet_tab
+        if m then
+          vim.keymap.set('i', '<Tab>', m.callback or m.rhs, {buffer = 0, expr = m.expr == 1, silent = m.silent == 1,
+            remap = m.noremap == 0, desc = m.desc})
+        end
+        ;(vim.snippet.stop or vim.snippet.exit)()
+        pcall(vim.keymap.del, 'i', '<Tab>', {buffer = 0})""")
+    # Out of the snippet Tab accepts again.
     cur = type_until_completion(editor, " os.")
     before = editor.buffer_text()
     editor.nvim.input("<Tab>")
