@@ -181,6 +181,7 @@ function Conn:_connect_tls()
     -- After it, the server (or the network) ended the connection. Let the
     -- last of stderr come in first.
     self.proc_exit = code
+    if not handle:is_closing() then handle:close() end -- (closed once exited: libuv has reaped it)
     vim.defer_fn(function()
       if self.state == 'connecting' then
         self:_fail(tls_error(table.concat(errors), code, tls.ca_file))
@@ -230,10 +231,8 @@ function Conn:_finish(code, reason, err, http_status)
       p:close()
     end
   end
-  if self.proc and not self.proc:is_closing() then
-    if not self.proc_exit then pcall(self.proc.kill, self.proc, 'sigterm') end
-    self.proc:close()
-  end
+  -- openssl is ended; its handle is closed when it has exited (above).
+  if self.proc and not self.proc_exit and not self.proc:is_closing() then pcall(self.proc.kill, self.proc, 'sigterm') end
   self:_emit('on_close', code, reason, err, http_status)
 end
 
