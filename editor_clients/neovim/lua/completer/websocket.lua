@@ -138,11 +138,14 @@ end
 --- The arguments of `openssl s_client` for this connection: verify the
 --- chain (against ca_file, else the system's CAs) and the host's name (or
 --- IP address), and give up on a certificate that fails (by default
---- s_client only reports it and goes on).
+--- s_client only reports it and goes on). -quiet: nothing but the server's
+--- bytes on stdout; -no_ign_eof: the connection ends when Neovim does (its
+--- end of our pipe closes); -nocommands: a frame that starts with Q, R or
+--- K is data, not an s_client command.
 function M.openssl_args(host, port, ca_file)
   local ip = host:match('^%d+%.%d+%.%d+%.%d+$') or host:find(':', 1, true)
   local connect = (host:find(':', 1, true) and ('[' .. host .. ']') or host) .. ':' .. port
-  local args = { 's_client', '-quiet', '-verify_return_error', '-connect', connect }
+  local args = { 's_client', '-quiet', '-no_ign_eof', '-nocommands', '-verify_return_error', '-connect', connect }
   if ip then
     vim.list_extend(args, { '-verify_ip', host })
   else
