@@ -145,8 +145,9 @@ end
 -- counts finished completions): how much was accepted with the keys, how
 -- much typed through, and whether it was ever drawn.
 function M.finish(req)
-  if req.finished or req.kind == 'prime' or req.kind == 'cache' then return end
+  -- (First: a completion from the cache owes no feedback, its cycle's request does.)
   if req.cycle then require('completer.cycle').settle(req) end
+  if req.finished or req.kind == 'prime' or req.kind == 'cache' then return end
   if not req.done then
     req.finish_pending = true
     return
