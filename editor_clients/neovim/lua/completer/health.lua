@@ -96,8 +96,14 @@ function M.check()
     if #unknown > 0 then
       r.warn('unknown options (ignored): ' .. table.concat(unknown, ', '), { ':help completer-options' })
     end
-    r.info(('%s; %d excluded path globs; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
-      #cfg.exclude, cfg.context.enabled and 'on' or 'off'))
+    r.info(('%s; %d excluded path globs%s; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
+      #cfg.exclude, cfg.exclude_gitignored and ' and files git ignores' or '', cfg.context.enabled and 'on' or 'off'))
+    local snoozed = completer.snoozed()
+    if cfg.trigger == 'manual' then
+      r.info('trigger manual: completions only on :CompleterSuggest or keymaps.suggest')
+    elseif snoozed then
+      r.info(('snoozed for %d more min (:CompleterSnooze 0 ends it)'):format(math.ceil(snoozed)))
+    end
   end
 
   r.start('completer: token')
