@@ -257,6 +257,9 @@ def test_manual_trigger_asks_only_when_asked(server, editor, tmp_path):
     editor.nvim.input("<M-\\>")
     wait_until(lambda: len(sent(editor)) > n0, 5, what="the suggest key's request")
     assert "manual" in editor.nvim.api.exec("CompleterStatus", True)
+    editor.nvim.input("<Esc>")
+    editor.nvim.command("checkhealth completer")
+    assert "trigger manual" in editor.buffer_text()
 
 
 def test_snooze_pauses_automatic_completions(server, editor, tmp_path):
