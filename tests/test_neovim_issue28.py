@@ -161,9 +161,9 @@ def test_tab_jumps_in_a_vim_snippet(server, editor, tmp_path):
     start_typing(editor, tmp_path / "snip.py", "import os\n\n")
     editor.lua("vim.snippet.expand('value = $1\\nother = $2')")
     wait_until(lambda: editor.lua("return vim.snippet.active({direction = 1})"), 5, what="the snippet")
-    # Neovim 0.11 may map <Tab> in the buffer itself for the session, which would shadow
-    # ours (0.10 maps nothing): set it aside, so that the Tab below is ours; it goes back
-    # after the jump, for the session's own cleanup.
+    # Neovim 0.11+ maps <Tab> globally to vim.snippet.jump (the plugin's <Tab> replaces it,
+    # so the jump below is the plugin's doing); 0.10 maps nothing. Should a build map it in
+    # the buffer for the session, it would shadow ours: set aside, back after the jump.
     editor.lua("""local m = vim.fn.maparg('<Tab>', 'i', false, true)
         if m.buffer == 1 then _G.snippet_tab = m; vim.keymap.del('i', '<Tab>', {buffer = 0}) end""")
     assert editor.nvim.funcs.maparg("<Tab>", "i", False, True)["desc"].startswith("completer")
