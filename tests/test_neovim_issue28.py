@@ -5,6 +5,7 @@ snooze, wss:// with certificate checks, and files git ignores."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -332,6 +333,11 @@ def test_wss_with_a_verified_certificate(tls, editor, tmp_path):
     editor.nvim.input("<Tab>")
     wait_until(lambda: editor.buffer_text() == before + cur["text"], 5, what="accept")
     editor.nvim.input("<Esc>")
+    # The TLS is an openssl process of Neovim's: ended with the connection, not left behind.
+    pid = editor.lua("return require('completer')._state.client.conn.proc:get_pid()")
+    os.kill(pid, 0)
+    editor.lua("require('completer').disable(); require('completer')._state.client:stop()")
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, what="openssl's exit")
     # By IP address too (-verify_ip); and :checkhealth reaches /healthz through openssl.
     editor.setup(url=f"wss://127.0.0.1:{tls['server'].port}/v1/ws", token=TOKEN, tls_ca_file=str(tls["ca"]))
     wait_until(editor.connected, 20, what="the TLS connection by IP address")
