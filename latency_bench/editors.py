@@ -214,3 +214,32 @@ async def type_until(index: int, server: ServerProcess, corpus: list[str], book:
                 conn = await Conn.open(server, book)
             await asyncio.sleep(next(gaps))
     raise AssertionError("documents() never ends")
+
+
+async def long_prompts(server: ServerProcess, corpus: list[str], book: Book, events: Counter, stop_at: float,
+                       seed: int, chars: int = 6000, every_s: float = 2.5) -> Conn | None:
+    """Until `stop_at`, every ~`every_s` a `complete` of a document never seen
+    before (its first line unique), `chars` long: an uncached prompt each time,
+    what a prefill worker takes (the soak's disaggregation). Returns the
+    connection it holds then (None when the server died)."""
+    rng = random.Random(seed * 1000 + 999)
+    try:
+        conn = await Conn.open(server, book)
+        for n in itertools.count():
+            if time.perf_counter() >= stop_at:
+                return conn
+            if conn.reader.done():
+                conn.closed_by_server()
+                conn = await Conn.open(server, book)
+            text = f"# long prompt {seed}-{n}\n"
+            while len(text) < chars:
+                text += rng.choice(corpus)
+            try:
+                await conn.send_complete(f"long{n}", text[:chars], "\n", f"file:///soak/long{n}.py", rng)
+                events["long_prompts"] += 1
+            except ConnectionClosed:
+                await asyncio.wait([conn.reader])
+            await asyncio.sleep(rng.uniform(0.5, 2 * every_s - 0.5))
+    except ServerExited:
+        return None
+    raise AssertionError("itertools.count() never ends")
