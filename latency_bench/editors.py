@@ -59,6 +59,9 @@ class Book:
         self.server_closes: Counter[str] = Counter()
         self.answered: list[tuple[float, float, str]] = []  # (sent at, seconds to answer, outcome)
         self.prompt_tokens = self.cached_tokens = self.computed_blocks = 0
+        # The request that waited longest for its answer: (seconds the client waited, the server's own
+        # `total_ms` from reading its frame to its `done`, or None, outcome).
+        self.slowest: tuple[float, float | None, str] = (0.0, None, "")
 
     def frame(self, conn: "Conn", msg: dict) -> None:
         kind, rid = msg.get("type"), msg.get("id")
@@ -71,7 +74,9 @@ class Book:
             conn.answered.add(rid)
             outcome = f"done:{msg['reason']}" if kind == "done" else f"error:{msg['code']}"
             self.outcomes[outcome] += 1
-            self.answered.append((sent - self.start, time.perf_counter() - sent, outcome))
+            self.answered.append((sent - self.start, waited := time.perf_counter() - sent, outcome))
+            if waited > self.slowest[0]:
+                self.slowest = (waited, msg["timings"]["total_ms"] if kind == "done" else None, outcome)
             if kind == "done" and msg["timings"]["generated_tokens"] > 0:  # its whole prompt was computed
                 t = msg["timings"]
                 self.prompt_tokens += t["prompt_tokens"]

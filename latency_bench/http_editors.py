@@ -50,7 +50,8 @@ async def ask(session: aiohttp.ClientSession, url: str, body: dict, book: Book) 
     except (aiohttp.ClientError, OSError) as e:
         outcome = f"no_answer:{type(e).__name__}"
     book.outcomes[outcome] += 1
-    book.answered.append((sent - book.start, time.perf_counter() - sent, outcome))
+    book.answered.append((sent - book.start, waited := time.perf_counter() - sent, outcome))
+    book.slowest = max(book.slowest, (waited, None, outcome), key=lambda s: s[0])
 
 
 def body_for(route: str, prefix: str, suffix: str, slot: int) -> dict:

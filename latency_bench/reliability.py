@@ -139,6 +139,12 @@ class IdleCheck(msgspec.Struct):
     memory: Memory | None  # None: the server had exited
 
 
+class Slowest(msgspec.Struct):
+    waited_s: float  # frame sent (request written) to its terminal answer read, as the client saw it
+    server_ms: float | None  # its `done.timings.total_ms`: the server's frame read to its done (None: not a done)
+    outcome: str
+
+
 class SoakResult(msgspec.Struct):
     date: str
     machine: Machine
@@ -175,7 +181,7 @@ class SoakResult(msgspec.Struct):
     by_port: dict[str, dict[str, int]] = {}  # "ws", "ws_long" (uncached long prompts), "http" -> outcomes
     sent_by_port: dict[str, int] = {}
     unanswered: int = 0  # every port's `unanswered`: must be 0
-    slowest_answer_s: dict[str, float] = {}  # port -> the longest a request waited for its terminal answer
+    slowest: dict[str, Slowest] = {}  # port -> the request that waited longest for its terminal answer
     disagg: bool = False
     prefill_routes: dict[str, int] = {}  # "route/reason" -> prompts (completer_prefill_decisions)
     faults: list[Fault] = []
@@ -375,9 +381,13 @@ def issue31_lines(r: SoakResult) -> list[str]:
                          "; ".join(f"{port}: " + ", ".join(f"{k} {v}" for k, v in sorted(o.items()))
                                    for port, o in f.around.items() if o))
                         for f in r.faults])
-    if r.slowest_answer_s:
-        lines += ["The longest any request waited for its terminal answer, by port: "
-                  + ", ".join(f"{PORTS.get(p, p)} {s:g} s" for p, s in r.slowest_answer_s.items()) + ".", ""]
+    if r.slowest:
+        lines += ["The longest any request waited for its terminal answer, by port (and, for a `done`, the "
+                  "server's own time from reading its frame to its `done`; the rest is the way there and back, "
+                  "both ends' event loops included): "
+                  + "; ".join(f"{PORTS.get(p, p)} {s.waited_s:g} s (`{s.outcome}`"
+                              + (f", server {s.server_ms / 1000:.2f} s)" if s.server_ms is not None else ")")
+                              for p, s in r.slowest.items()) + ".", ""]
     return lines
 
 

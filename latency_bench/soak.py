@@ -13,10 +13,12 @@ the one before it aborted by closing its connection); `--disagg` gives the
 server a prefill worker, keeps long uncached prompts flowing to it, SIGSTOPs
 it for a while (then SIGCONT) and later SIGKILLs it (the server starts it
 again); `--loads` runs CPU-heavy processes beside (the default model loaded
-again and again) to starve the server. The run is three phases (a warm-up,
-two halves); after each, typing stops, the answers drain, the clients leave,
-and the server must be back where it started: no KV block in use within 5 s,
-RSS compared with the first idle after the warm-up, by kind of memory.
+again and again) to starve the server. The run is phases: a warm-up, then
+phases of ~5 minutes (two at least; with `--disagg` the worker stopped in
+one, killed in the next); after each, typing stops, the answers drain, the
+clients leave, and the server must be back where it started: no KV block in
+use within 5 s, RSS compared with the first idle after the warm-up, by kind
+of memory, at every idle (a plateau is the allocator's, a steady climb a leak).
 
 Fairness: closed loop (an editor sends its next keystroke when the last one is
 answered), 1 editor alone and `--editors` together, alternating in one run;
@@ -56,8 +58,8 @@ from websockets.exceptions import ConnectionClosed
 from editors import Book, Conn, answered_as, editor, keep_reading_log, long_prompts, percentile_ms
 from fairness import run_fairness
 from http_editors import http_editor
-from reliability import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, SoakResult, fairness_section,
-                         machine, now, soak_section, violations)
+from reliability import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult,
+                         fairness_section, machine, now, soak_section, violations)
 from stress import SideLoads, inject, memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +82,7 @@ SOAK_KV_MB = 16.0
 SAMPLE_S = 2.0
 DRAIN_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 20.0
+PHASE_S = 300.0  # after the warm-up, an idle spell about this often
 AROUND_FAULT_S = 10.0  # a fault's window: requests sent this long before it to this long after the worker is back
 # With --disagg: one local prefill worker (its own small KV pool), and prompts past 256 uncached tokens sent to
 # it whatever the estimates say (the embedded model's window is 1,024 tokens), so the link is used all along.
@@ -225,13 +228,15 @@ class Plan(msgspec.Struct, frozen=True):
 
 
 def phases(duration: float, disagg: bool) -> list[tuple[str, float, str]]:
-    """(name, seconds, fault) of the soak's phases: a warm-up, then two halves,
-    each ending idle (RSS compared across them); with disaggregation the worker
-    is stopped in the first half and killed in the second."""
+    """(name, seconds, fault) of the soak's phases: a warm-up, then phases of
+    about PHASE_S (two at least), each ending idle: RSS read at each idle tells
+    memory that levels off from memory that keeps growing. With disaggregation
+    the worker is stopped in the odd phases and killed in the even ones."""
     warm = min(60.0, duration / 4)
-    half = (duration - warm) / 2
-    return [("warm-up", warm, ""), ("first half", half, "stop" if disagg else ""),
-            ("second half", half, "kill" if disagg else "")]
+    n = max(2, round((duration - warm) / PHASE_S))
+    each = (duration - warm) / n
+    return [("warm-up", warm, "")] + [(f"phase {i}", each, ("stop" if i % 2 else "kill") if disagg else "")
+                                      for i in range(1, n + 1)]
 
 
 def workers_up(server: ServerProcess) -> float | None:
@@ -346,8 +351,8 @@ async def soak_load(server: ServerProcess, editors: int, duration: float, seed: 
         http_editors=plan.http_editors, by_port={port: dict(b.outcomes) for port, b in books.items() if b.sent},
         sent_by_port={port: b.sent for port, b in books.items() if b.sent},
         unanswered=sum(b.outcomes["unanswered"] for b in books.values()), disagg=plan.disagg,
-        slowest_answer_s={port: round(max(seconds for _, seconds, _ in b.answered), 2)
-                          for port, b in books.items() if b.answered},
+        slowest={port: Slowest(round(b.slowest[0], 2), b.slowest[1], b.slowest[2])
+                 for port, b in books.items() if b.answered},
         prefill_routes=prefill_routes(server) if alive and plan.disagg else {}, faults=faults,
         side_loads=side_loads, phases=spans, idle=idle)
 
