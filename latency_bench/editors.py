@@ -76,7 +76,7 @@ class Book:
             self.outcomes[outcome] += 1
             self.answered.append((sent - self.start, waited := time.perf_counter() - sent, outcome))
             if waited > self.slowest[0]:
-                self.slowest = (waited, msg["timings"]["total_ms"] if kind == "done" else None, outcome)
+                self.slowest = (waited, msg["timings"].get("total_ms") if kind == "done" else None, outcome)
             if kind == "done" and msg["timings"]["generated_tokens"] > 0:  # its whole prompt was computed
                 t = msg["timings"]
                 self.prompt_tokens += t["prompt_tokens"]

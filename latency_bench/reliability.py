@@ -31,7 +31,7 @@ JSON = {name: RESULTS / f"reliability_{name}.json" for name in ("fuzz", "soak", 
 FUZZ_CHECK = RESULTS / "reliability_fuzz_check.json"
 FUZZ_HTTP = RESULTS / "reliability_fuzz_http.json"  # latency_bench/fuzz_http.py --json
 # The soak's issue #31 parts: the compat port's clients, a prefill worker stopped and killed, model loads beside.
-SOAK_OPTIONS = ("--http-editors", "8", "--disagg", "--loads", "2")
+SOAK_OPTIONS = ("--http-editors", "8", "--disagg", "--loads", "2", "--memory-probe")
 # Where a client or a peer meets the server, and what bounds each (the tests that hold it).
 SURFACES = [
     ("WebSocket port (`/v1/ws`, `/metrics`, `/v1/stats`)", "token, Host, Origin; frames and documents bounded; "
@@ -137,6 +137,7 @@ class IdleCheck(msgspec.Struct):
     kv_zero_s: float | None  # from the last client leaving to no KV block in use; None: not within the wait
     gauges: Gauges
     memory: Memory | None  # None: the server had exited
+    probe: dict | None = None  # --memory-probe: the server's own figures (latency_bench/memory_probe/)
 
 
 class Slowest(msgspec.Struct):
@@ -406,6 +407,18 @@ def idle_lines(r: SoakResult) -> list[str]:
                      *((m.rss_mb, m.anon_mb, m.file_mb, m.heap_mb, f"{num(m.anon_maps_mb)} ({m.anon_maps})",
                         m.threads) if (m := c.memory) is not None else ("-",) * 6))
                     for c in r.idle])
+    probed = [c for c in r.idle if c.probe and "malloc" in c.probe]
+    if probed:
+        lines += ["The server's own figures at each idle (`--memory-probe`, MB): glibc's arenas and mmapped chunks, "
+                  "what malloc has in use and holds free, RSS before and after an explicit `malloc_trim(0)`, live "
+                  "Python objects (and traced Python allocations with `--tracemalloc`):", ""]
+        lines += table(("after", "arenas", "mmapped", "in use", "free", "RSS", "trimmed", "objects", "traced"),
+                       [(c.after, m["arena_mb"], m["mmapped_mb"], m["in_use_mb"], m["free_mb"],
+                         m["rss_mb_before_trim"], m["rss_mb_after_trim"], c.probe["objects"]["total"],
+                         c.probe.get("traced_mb")) for c in probed for m in [c.probe["malloc"]]])
+        if grew := probed[-1].probe.get("grew"):
+            lines += ["Python allocations that grew most from the first idle to the last:", "", "```", *grew, "```",
+                      ""]
     growth = rss_growth(r)
     if growth is not None:
         mem = [c.memory for c in r.idle if c.memory is not None]

@@ -42,10 +42,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -225,6 +229,8 @@ class Plan(msgspec.Struct, frozen=True):
     http_editors: int = 0  # llama.vim-like clients of the compat port
     disagg: bool = False  # a prefill worker, long uncached prompts, the worker stopped then killed
     loads: int = 0  # CPU-heavy processes beside the server
+    memory_probe: bool = False  # the server dumps malloc's and gc's figures at each idle (memory_probe/)
+    tracemalloc: bool = False  # and traces Python's allocations (slower)
 
 
 def phases(duration: float, disagg: bool) -> list[tuple[str, float, str]]:
@@ -282,9 +288,49 @@ async def idle_check(server: ServerProcess, baseline: Gauges, after: str, start:
         return IdleCheck(after, None, Gauges(None, None, None, None), None)
     gauges, kv_zero_s = await settle(server, baseline)
     await asyncio.sleep(1.0)
-    check = IdleCheck(after, kv_zero_s, gauges, memory(server.proc.pid, round(time.perf_counter() - start, 1)))
+    check = IdleCheck(after, kv_zero_s, gauges, memory(server.proc.pid, round(time.perf_counter() - start, 1)),
+                      await probe(server))
     progress(f"idle after {after}: KV 0 after {kv_zero_s} s, RSS {check.memory.rss_mb} MB")
     return check
+
+
+async def probe(server: ServerProcess) -> dict | None:
+    """With --memory-probe: the server's own figures (memory_probe/sitecustomize.py), asked for by SIGUSR2."""
+    path = getattr(server, "probe_path", None)
+    if path is None:
+        return None
+    lines = len(path.read_text().splitlines()) if path.exists() else 0
+    server.proc.send_signal(signal.SIGUSR2)
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:
+        await asyncio.sleep(0.2)
+        if path.exists() and len(dumps := path.read_text().splitlines()) > lines:
+            return json.loads(dumps[lines])
+    return None
+
+
+@contextmanager
+def probing(plan: Plan):
+    """The server started inside sees memory_probe/ first on its path (its sitecustomize); yields the dump file."""
+    if not plan.memory_probe:
+        yield None
+        return
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "COMPLETER_MEMORY_PROBE", "COMPLETER_TRACEMALLOC")}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "memory_probe.jsonl"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "latency_bench" / "memory_probe"),
+                                                                 str(ROOT), saved["PYTHONPATH"])))
+        os.environ["COMPLETER_MEMORY_PROBE"] = str(path)
+        if plan.tracemalloc:
+            os.environ["COMPLETER_TRACEMALLOC"] = "1"
+        try:
+            yield path
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def around(fault: Fault, books: dict[str, Book]) -> dict[str, dict[str, int]]:
@@ -366,7 +412,8 @@ def run_soak(editors: int = 32, duration: float = 60.0, kv_mb: float = SOAK_KV_M
     kv = kv_plan(kv_mb)
     if not kv.fits:
         raise SystemExit(f"engine.kv_cache_mb={kv_mb} cannot hold a full-window request ({kv})")
-    with running_server(*soak_settings(kv_mb, plan)) as server:
+    with probing(plan) as probe_path, running_server(*soak_settings(kv_mb, plan)) as server:
+        server.probe_path = probe_path
         log = keep_reading_log(server)
         measured = asyncio.run(soak_load(server, editors, duration, seed, plan))
     return SoakResult(date=now(), machine=machine(), command=command, kv=kv, server_log_tail=list(log)[-20:],
@@ -384,6 +431,10 @@ def main() -> int:
                     help="soak: llama.vim-like clients of the compat port beside the WebSocket editors")
     ap.add_argument("--disagg", action="store_true", help="soak: a prefill worker, long uncached prompts, "
                     "the worker SIGSTOPped then SIGCONTed in the first half, SIGKILLed in the second")
+    ap.add_argument("--memory-probe", action="store_true", help="soak: at each idle the server reports malloc's "
+                    "in use and free, RSS before and after malloc_trim, live objects (memory_probe/sitecustomize.py)")
+    ap.add_argument("--tracemalloc", action="store_true", help="soak, with --memory-probe: and traces Python's "
+                    "allocations (slower): the lines that grew")
     ap.add_argument("--loads", type=int, default=0, help="soak: CPU-heavy processes beside the server "
                     "(loading the cached default model again and again; busy loops without it)")
     ap.add_argument("--fairness", action="store_true", help="the fairness run instead of the soak")
@@ -400,7 +451,7 @@ def main() -> int:
         section, broken = fairness_section(result), []
     else:
         result = run_soak(args.editors, args.duration, args.kv_mb, args.seed, command,
-                          Plan(args.http_editors, args.disagg, args.loads))
+                          Plan(args.http_editors, args.disagg, args.loads, args.memory_probe, args.tracemalloc))
         section, broken = soak_section(result), violations(result)
     Console().print(Markdown("\n".join(section)))
     if args.json:
