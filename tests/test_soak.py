@@ -97,3 +97,19 @@ def test_the_books_catch_a_second_answer_a_delta_after_it_and_an_unknown_id():
         book.frame(conn, msg)
     assert book.outcomes == {"done:stop": 1, "duplicate": 1, "after_terminal": 1, "unknown_id": 1}
     assert conn.pending == {} and book.computed_blocks == 2
+
+
+def test_the_new_invariants_break_on_an_http_request_without_json_kv_held_past_5_s_and_a_worker_never_back(result):
+    # The verdict's own logic, on the soak's result with one thing at a time gone wrong.
+    import msgspec
+
+    from reliability import Fault, violations
+
+    assert violations(result) == []
+    replace = msgspec.structs.replace
+    http = {**result.by_port, "http": {**result.by_port["http"], "no_answer:ServerDisconnectedError": 1}}
+    assert violations(replace(result, by_port=http)) == ["1 no_answer:ServerDisconnectedError (http)"]
+    slow = [replace(c, kv_zero_s=6.0) if i == 1 else c for i, c in enumerate(result.idle)]
+    assert violations(replace(result, idle=slow)) == ["KV not back to 0 within 5 s of idle after the phase 1 (6.0 s)"]
+    lost = Fault("kill", 30.0, 30.0, 1234)
+    assert violations(replace(result, faults=[lost])) == ["no prefill worker up again after the kill at 30 s"]
