@@ -416,6 +416,16 @@ def idle_lines(r: SoakResult) -> list[str]:
                        [(c.after, m["arena_mb"], m["mmapped_mb"], m["in_use_mb"], m["free_mb"],
                          m["rss_mb_before_trim"], m["rss_mb_after_trim"], c.probe["objects"]["total"],
                          c.probe.get("traced_mb")) for c in probed for m in [c.probe["malloc"]]])
+        a, b = probed[0].probe, probed[-1].probe
+        ma, mb = a["malloc"], b["malloc"]
+        traced = (f", traced Python allocations {b['traced_mb'] - a['traced_mb']:+.1f} MB"
+                  if a.get("traced_mb") is not None and b.get("traced_mb") is not None else "")
+        lines += [f"From the first idle to the last: malloc in use {mb['in_use_mb'] - ma['in_use_mb']:+.1f} MB, free "
+                  f"inside its arenas {mb['free_mb'] - ma['free_mb']:+.1f} MB (held, not returned: "
+                  f"`malloc_trim(0)` then gave back "
+                  f"{mb['rss_mb_before_trim'] - mb['rss_mb_after_trim']:.1f} MB), live Python objects "
+                  f"{b['objects']['total'] - a['objects']['total']:+d}{traced}. In use and not Python's: native "
+                  "allocations (torch, oneDNN, OpenMP) still held; free: the allocator's retention.", ""]
         if grew := probed[-1].probe.get("grew"):
             lines += ["Python allocations that grew most from the first idle to the last:", "", "```", *grew, "```",
                       ""]
