@@ -104,10 +104,12 @@ async def inject(server_pid: int, kind: str, hold_s: float, start: float, worker
     watch_until = time.monotonic() + hold_s
     if kind == "stop":
         worker.send_signal(signal.SIGSTOP)
-        while time.monotonic() < watch_until:
-            await note_down(fault, start, workers_up)
-            await asyncio.sleep(0.5)
-        worker.send_signal(signal.SIGCONT)
+        try:
+            while time.monotonic() < watch_until:
+                await note_down(fault, start, workers_up)
+                await asyncio.sleep(0.5)
+        finally:  # never left stopped (a stopped process would not even take the SIGTERM the server's end sends)
+            worker.send_signal(signal.SIGCONT)
     else:
         worker.send_signal(signal.SIGKILL)
     fault.until_s = round(time.perf_counter() - start, 1)
