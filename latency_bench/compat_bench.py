@@ -65,10 +65,15 @@ async def over_websocket(ws, key: int, prefix: str, suffix: str, n_predict: int)
             "cached": t["cached_tokens"], "generated": t["generated_tokens"]}
 
 
-async def over_infill(url: str, above: str, line: str, suffix: str, n_predict: int) -> dict:
-    body = {"id_slot": 0, "input_prefix": above, "input_suffix": suffix, "input_extra": [], "prompt": line,
+def infill_body(above: str, line: str, suffix: str, n_predict: int) -> dict:
+    """llama.vim's /infill body: the lines above, the line so far as `prompt`, the rest as the suffix."""
+    return {"id_slot": 0, "input_prefix": above, "input_suffix": suffix, "input_extra": [], "prompt": line,
             "n_predict": n_predict, "stop": [], "n_indent": 0, "samplers": ["top_k", "top_p", "infill"],
             "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "model": ""}
+
+
+async def over_infill(url: str, above: str, line: str, suffix: str, n_predict: int) -> dict:
+    body = infill_body(above, line, suffix, n_predict)
     started = time.perf_counter()
     # A connection per request, closed after it: llama.vim runs curl per keystroke.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:

@@ -59,6 +59,9 @@ class Book:
         self.server_closes: Counter[str] = Counter()
         self.answered: list[tuple[float, float, str]] = []  # (sent at, seconds to answer, outcome)
         self.prompt_tokens = self.cached_tokens = self.computed_blocks = 0
+        # The request that waited longest for its answer: (seconds the client waited, the server's own
+        # `total_ms` from reading its frame to its `done`, or None, outcome).
+        self.slowest: tuple[float, float | None, str] = (0.0, None, "")
 
     def frame(self, conn: "Conn", msg: dict) -> None:
         kind, rid = msg.get("type"), msg.get("id")
@@ -71,7 +74,9 @@ class Book:
             conn.answered.add(rid)
             outcome = f"done:{msg['reason']}" if kind == "done" else f"error:{msg['code']}"
             self.outcomes[outcome] += 1
-            self.answered.append((sent - self.start, time.perf_counter() - sent, outcome))
+            self.answered.append((sent - self.start, waited := time.perf_counter() - sent, outcome))
+            if waited > self.slowest[0]:
+                self.slowest = (waited, msg["timings"].get("total_ms") if kind == "done" else None, outcome)
             if kind == "done" and msg["timings"]["generated_tokens"] > 0:  # its whole prompt was computed
                 t = msg["timings"]
                 self.prompt_tokens += t["prompt_tokens"]
@@ -214,3 +219,32 @@ async def type_until(index: int, server: ServerProcess, corpus: list[str], book:
                 conn = await Conn.open(server, book)
             await asyncio.sleep(next(gaps))
     raise AssertionError("documents() never ends")
+
+
+async def long_prompts(server: ServerProcess, corpus: list[str], book: Book, events: Counter, stop_at: float,
+                       seed: int, chars: int = 6000, every_s: float = 2.5) -> Conn | None:
+    """Until `stop_at`, every ~`every_s` a `complete` of a document never seen
+    before (its first line unique), `chars` long: an uncached prompt each time,
+    what a prefill worker takes (the soak's disaggregation). Returns the
+    connection it holds then (None when the server died)."""
+    rng = random.Random(seed * 1000 + 999)
+    try:
+        conn = await Conn.open(server, book)
+        for n in itertools.count():
+            if time.perf_counter() >= stop_at:
+                return conn
+            if conn.reader.done():
+                conn.closed_by_server()
+                conn = await Conn.open(server, book)
+            text = f"# long prompt {seed}-{n}\n"
+            while len(text) < chars:
+                text += rng.choice(corpus)
+            try:
+                await conn.send_complete(f"long{n}", text[:chars], "\n", f"file:///soak/long{n}.py", rng)
+                events["long_prompts"] += 1
+            except ConnectionClosed:
+                await asyncio.wait([conn.reader])
+            await asyncio.sleep(rng.uniform(0.5, 2 * every_s - 0.5))
+    except ServerExited:
+        return None
+    raise AssertionError("itertools.count() never ends")

@@ -30,6 +30,8 @@ JSON = {name: RESULTS / f"reliability_{name}.json" for name in ("fuzz", "soak", 
 # A shorter fuzz run made after the long one, when it found something (fuzz.py --remark says what).
 FUZZ_CHECK = RESULTS / "reliability_fuzz_check.json"
 FUZZ_HTTP = RESULTS / "reliability_fuzz_http.json"  # latency_bench/fuzz_http.py --json
+# The soak's issue #31 parts: the compat port's clients, a prefill worker stopped and killed, model loads beside.
+SOAK_OPTIONS = ("--http-editors", "8", "--disagg", "--loads", "2", "--memory-probe")
 # Where a client or a peer meets the server, and what bounds each (the tests that hold it).
 SURFACES = [
     ("WebSocket port (`/v1/ws`, `/metrics`, `/v1/stats`)", "token, Host, Origin; frames and documents bounded; "
@@ -73,6 +75,7 @@ class Gauges(msgspec.Struct):
     kv_usage: float | None  # completer_kv_cache_usage_perc (target pool): the fallback
     tasks: float | None  # completer_event_loop_tasks
     in_flight: float | None  # completer_requests_in_flight
+    workers_up: float | None = None  # completer_prefill_workers_up (disaggregation)
 
     def kv_in_use(self) -> float | None:
         return sum(self.kv_blocks_used.values()) if self.kv_blocks_used is not None else self.kv_usage
@@ -91,6 +94,56 @@ class Minute(msgspec.Struct):
     shown: int  # completions an editor would show (done, not cancelled)
     p50_ms: float | None
     p99_ms: float | None
+
+
+class Fault(msgspec.Struct):
+    kind: str  # "stop" (SIGSTOP, then SIGCONT at `until_s`) or "kill" (SIGKILL)
+    at_s: float  # since the load started
+    until_s: float  # SIGCONT sent (stop); the signal sent (kill)
+    pid: int  # the worker signalled
+    pid_after: int | None = None  # the worker serving afterwards (a new one after a kill)
+    down_at_s: float | None = None  # the server first reported no worker up
+    up_again_s: float | None = None  # a worker up again after `until_s`
+    # Port -> outcomes of the requests sent from a little before the fault to a little after the worker was
+    # back (soak.AROUND_FAULT_S)
+    around: dict[str, dict[str, int]] = {}
+
+
+class Memory(msgspec.Struct):
+    """A process's resident memory by kind (MB), as /proc shows it."""
+
+    at_s: float
+    rss_mb: float
+    anon_mb: float  # RssAnon: what malloc, torch and Python hold
+    file_mb: float  # RssFile: mapped files (weights, libraries) paged in
+    heap_mb: float  # the [heap] mapping (brk: the main arena)
+    anon_maps_mb: float  # anonymous mappings (other arenas, large allocations, thread stacks)
+    anon_maps: int  # how many
+    threads: int
+
+
+class PhaseSpan(msgspec.Struct):
+    name: str
+    start_s: float  # since the load started
+    end_s: float  # typing stopped
+    drain_s: float  # then the last answer came (or the drain window ended)
+    fault: str = ""  # injected into the prefill worker in this phase
+
+
+class IdleCheck(msgspec.Struct):
+    """The server once a phase's clients had left."""
+
+    after: str  # the phase
+    kv_zero_s: float | None  # from the last client leaving to no KV block in use; None: not within the wait
+    gauges: Gauges
+    memory: Memory | None  # None: the server had exited
+    probe: dict | None = None  # --memory-probe: the server's own figures (latency_bench/memory_probe/)
+
+
+class Slowest(msgspec.Struct):
+    waited_s: float  # frame sent (request written) to its terminal answer read, as the client saw it
+    server_ms: float | None  # its `done.timings.total_ms`: the server's frame read to its done (None: not a done)
+    outcome: str
 
 
 class SoakResult(msgspec.Struct):
@@ -123,6 +176,19 @@ class SoakResult(msgspec.Struct):
     fresh_completion_after: str
     server_exit_code: int | None  # None: still serving at the end
     server_log_tail: list[str]
+    # Issue #31's parts (absent from older results): the compat port's llama.vim-like clients, a prefill
+    # worker stopped and killed, CPU-heavy processes beside, phases each ending idle.
+    http_editors: int = 0
+    by_port: dict[str, dict[str, int]] = {}  # "ws", "ws_long" (uncached long prompts), "http" -> outcomes
+    sent_by_port: dict[str, int] = {}
+    unanswered: int = 0  # every port's `unanswered`: must be 0
+    slowest: dict[str, Slowest] = {}  # port -> the request that waited longest for its terminal answer
+    disagg: bool = False
+    prefill_routes: dict[str, int] = {}  # "route/reason" -> prompts (completer_prefill_decisions)
+    faults: list[Fault] = []
+    side_loads: str = ""  # what the CPU-heavy processes beside did
+    phases: list[PhaseSpan] = []
+    idle: list[IdleCheck] = []
 
 
 class Phase(msgspec.Struct):
@@ -171,21 +237,41 @@ def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
+BROKEN_PREFIXES = ("not_json:", "no_answer:")  # the compat port's: an answer that is not one
+KV_IDLE_S = 5.0  # KV back to 0 within this long of idle (issue #31)
+RSS_TOLERANCE = 0.10  # RSS at the end within this share of the first idle after warm-up
+
+
 def violations(r: SoakResult) -> list[str]:
     """The soak's invariants that did not hold (none: all did)."""
     out = []
     if r.server_exit_code is not None:
         out.append(f"the server exited (code {r.server_exit_code})")
-    for name in ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close"):
-        if r.outcomes.get(name):
-            out.append(f"{r.outcomes[name]} {name}")
+    for port, outcomes in (r.by_port or {"ws": r.outcomes}).items():
+        for name, n in sorted(outcomes.items()):
+            if n and (name in OWED or name.startswith(BROKEN_PREFIXES)):
+                out.append(f"{n} {name}" + (f" ({port})" if r.by_port else ""))
     if r.after_drain.kv_in_use() != r.baseline.kv_in_use():
         out.append(f"KV in use after the drain {r.after_drain.kv_in_use()}, baseline {r.baseline.kv_in_use()}")
     if r.after_drain.tasks != r.baseline.tasks:
         out.append(f"event loop tasks after the drain {r.after_drain.tasks}, baseline {r.baseline.tasks}")
+    for check in r.idle:
+        if check.kv_zero_s is None or check.kv_zero_s > KV_IDLE_S:
+            out.append(f"KV not back to 0 within {KV_IDLE_S:g} s of idle after the {check.after} "
+                       f"({'-' if check.kv_zero_s is None else check.kv_zero_s} s)")
+    for fault in r.faults:
+        if fault.up_again_s is None:
+            out.append(f"no prefill worker up again after the {fault.kind} at {fault.at_s:g} s")
     if not r.healthz_after or not r.fresh_completion_after.startswith("done:"):
         out.append(f"afterwards: /healthz ok {r.healthz_after}, a fresh completion {r.fresh_completion_after}")
     return out
+
+
+def rss_growth(r: SoakResult) -> float | None:
+    """RSS at the last idle over the first idle after the warm-up, less 1."""
+    mem = [c.memory for c in r.idle if c.memory is not None]
+    return mem[-1].rss_mb / mem[0].rss_mb - 1 if len(mem) > 1 else None
 
 
 # -- the page ---------------------------------------------------------------------
@@ -227,6 +313,7 @@ def soak_section(r: SoakResult) -> list[str]:
              "(`unanswered`, `duplicate`, `after_terminal` and `unknown_id` must be 0; `abandoned` counts "
              "requests pending when an editor itself disconnected):", ""]
     lines += table(("outcome", "requests"), sorted(r.outcomes.items()))
+    lines += issue31_lines(r)
     if r.server_closes:
         lines += [f"Connections the server closed, by close code: {r.server_closes}.", ""]
     def kv(g: Gauges) -> str:
@@ -255,9 +342,105 @@ def soak_section(r: SoakResult) -> list[str]:
                    [(m.minute, m.shown, m.p50_ms, m.p99_ms) for m in r.time_to_done])
     if r.p99_drift is not None:
         lines += [f"p99 of the last minute / the first: {r.p99_drift:.2f}x.", ""]
+    lines += idle_lines(r)
     lines += ["Invariants: " + ("all held." if not broken else "**broken**: " + "; ".join(broken)), ""]
     if broken:
         lines += ["The server's last lines:", "", "```", *(ln.rstrip("\n") for ln in r.server_log_tail), "```", ""]
+    return lines
+
+
+PORTS = {"ws": "WebSocket editors", "ws_long": "WebSocket, long uncached prompts", "http": "compat HTTP clients"}
+
+
+def issue31_lines(r: SoakResult) -> list[str]:
+    """The compat port's clients, the prefill worker's faults and the loads beside (when the run had them)."""
+    lines = []
+    if r.side_loads:
+        lines += [f"Beside the server all along, CPU-heavy processes starving it: {r.side_loads}.", ""]
+    if r.by_port:
+        e = r.events
+        lines += [f"Per port (the first column is the table above; `unanswered` in all: **{r.unanswered}**). "
+                  f"{r.http_editors} llama.vim-like HTTP clients typed {e.get('http_keystrokes', 0)} keystrokes "
+                  f"({e.get('http_bursts', 0)} bursts), each a POST /infill (one client in four /completion) "
+                  "with `cache_prompt`, a new keystroke aborting the request before it by closing its connection "
+                  "(`aborted`); `done:` is a 200 with llama.cpp's JSON, `error:` a status with the JSON error "
+                  "envelope, `not_json:` and `no_answer:` must not occur.", ""]
+        ports = [p for p in PORTS if p in r.by_port]
+        names = sorted({name for p in ports for name in r.by_port[p]})
+        lines += table(("outcome", *(PORTS[p] for p in ports)),
+                       [(name, *(r.by_port[p].get(name, 0) for p in ports)) for name in names]
+                       + [("sent", *(r.sent_by_port.get(p, 0) for p in ports))])
+    if r.disagg:
+        routes = ", ".join(f"{k} {v}" for k, v in sorted(r.prefill_routes.items())) or "none reported"
+        lines += [f"Disaggregated prefill: one local prefill worker. Requests by where their prefill ran and why "
+                  f"(`completer_prefill_decisions`; `local/long`: sent to the worker, ended before its K/V "
+                  f"came): {routes}. "
+                  "Faults injected into the worker (seconds since the load started; outcomes of the requests "
+                  "sent from 10 s before the fault to 10 s after a worker was up again):", ""]
+        lines += table(("fault", "at", "until", "no worker up from", "up again", "pid -> pid", "outcomes around it"),
+                       [(f.kind, f.at_s, f.until_s, f.down_at_s, f.up_again_s, f"{f.pid} -> {num(f.pid_after)}",
+                         "; ".join(f"{port}: " + ", ".join(f"{k} {v}" for k, v in sorted(o.items()))
+                                   for port, o in f.around.items() if o))
+                        for f in r.faults])
+    if r.slowest:
+        lines += ["The longest any request waited for its terminal answer, by port (and, for a `done`, the "
+                  "server's own time from reading its frame to its `done`; the rest is the way there and back, "
+                  "both ends' event loops included): "
+                  + "; ".join(f"{PORTS.get(p, p)} {s.waited_s:g} s (`{s.outcome}`"
+                              + (f", server {s.server_ms / 1000:.2f} s)" if s.server_ms is not None else ")")
+                              for p, s in r.slowest.items()) + ".", ""]
+    return lines
+
+
+def idle_lines(r: SoakResult) -> list[str]:
+    if not r.idle:
+        return []
+    lines = ["The server idle after each phase (all clients gone; memory read 1 s later, past the engine's own "
+             "`malloc_trim`): seconds until no KV block was in use, then resident memory by kind (MB; anon: "
+             "RssAnon, file: RssFile, heap: the brk heap, anon maps: other anonymous mappings and their count):",
+             ""]
+    spans = {p.name: p for p in r.phases}
+    lines += table(("after", "typing ended at s", "drain s", "KV 0 after s", "RSS", "anon", "file", "heap",
+                    "anon maps", "threads"),
+                   [(c.after, spans[c.after].end_s if c.after in spans else None,
+                     spans[c.after].drain_s if c.after in spans else None, c.kv_zero_s,
+                     *((m.rss_mb, m.anon_mb, m.file_mb, m.heap_mb, f"{num(m.anon_maps_mb)} ({m.anon_maps})",
+                        m.threads) if (m := c.memory) is not None else ("-",) * 6))
+                    for c in r.idle])
+    probed = [c for c in r.idle if c.probe and "malloc" in c.probe]
+    if probed:
+        lines += ["The server's own figures at each idle (`--memory-probe`, MB): glibc's arenas and mmapped chunks, "
+                  "what malloc has in use and holds free, RSS before and after an explicit `malloc_trim(0)`, live "
+                  "Python objects (and traced Python allocations with `--tracemalloc`):", ""]
+        lines += table(("after", "arenas", "mmapped", "in use", "free", "RSS", "trimmed", "objects", "traced"),
+                       [(c.after, m["arena_mb"], m["mmapped_mb"], m["in_use_mb"], m["free_mb"],
+                         m["rss_mb_before_trim"], m["rss_mb_after_trim"], c.probe["objects"]["total"],
+                         c.probe.get("traced_mb")) for c in probed for m in [c.probe["malloc"]]])
+        a, b = probed[0].probe, probed[-1].probe
+        ma, mb = a["malloc"], b["malloc"]
+        traced = (f", traced Python allocations {b['traced_mb'] - a['traced_mb']:+.1f} MB"
+                  if a.get("traced_mb") is not None and b.get("traced_mb") is not None else "")
+        lines += [f"From the first idle to the last: malloc in use {mb['in_use_mb'] - ma['in_use_mb']:+.1f} MB, free "
+                  f"inside its arenas {mb['free_mb'] - ma['free_mb']:+.1f} MB (held, not returned: "
+                  f"`malloc_trim(0)` then gave back "
+                  f"{mb['rss_mb_before_trim'] - mb['rss_mb_after_trim']:.1f} MB), live Python objects "
+                  f"{b['objects']['total'] - a['objects']['total']:+d}{traced}. In use and not Python's: native "
+                  "allocations (torch, oneDNN, OpenMP) still held; free: the allocator's retention.", ""]
+        if grew := probed[-1].probe.get("grew"):
+            lines += ["Python allocations that grew most from the first idle to the last:", "", "```", *grew, "```",
+                      ""]
+    growth = rss_growth(r)
+    if growth is not None:
+        mem = [c.memory for c in r.idle if c.memory is not None]
+        first, last = mem[0], mem[-1]
+        verdict = "within" if abs(growth) <= RSS_TOLERANCE else "**beyond**"
+        lines += [f"RSS at the last idle vs the first after the warm-up: {first.rss_mb:g} -> {last.rss_mb:g} MB "
+                  f"({growth:+.1%}), {verdict} {RSS_TOLERANCE:.0%}. Where it went: anon "
+                  f"{last.anon_mb - first.anon_mb:+.1f} MB (heap {last.heap_mb - first.heap_mb:+.1f}, anon maps "
+                  f"{last.anon_maps_mb - first.anon_maps_mb:+.1f}), file {last.file_mb - first.file_mb:+.1f} MB."
+                  + (f" Between the idles: {', '.join(f'{m.rss_mb:g}' for m in mem)} MB: growth that stops "
+                     "after the first phases is what the allocator keeps (fragmented arenas: the engine's trim "
+                     "already ran), growth that goes on at each phase is a leak." if len(mem) > 2 else ""), ""]
     return lines
 
 
@@ -337,7 +520,7 @@ def run_all(fuzz_frames: int, soak_s: float, fairness_requests: int, command: st
     invariant exits 1 and still writes it: the page shows what broke."""
     py, out = sys.executable, {name: str(path.relative_to(ROOT)) for name, path in JSON.items()}
     runs = {"fuzz": [py, "latency_bench/fuzz.py", "--frames", str(fuzz_frames), "--json", out["fuzz"]],
-            "soak": [py, "latency_bench/soak.py", "--duration", f"{soak_s:g}", "--json", out["soak"]],
+            "soak": [py, "latency_bench/soak.py", "--duration", f"{soak_s:g}", *SOAK_OPTIONS, "--json", out["soak"]],
             "fairness": [py, "latency_bench/soak.py", "--fairness", "--requests", str(fairness_requests),
                          "--json", out["fairness"]]}
     exit_codes: dict[str, int | None] = {}

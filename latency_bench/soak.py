@@ -6,14 +6,26 @@ their own documents for `--duration` seconds, one `complete` per keystroke at
 human intervals with jitter, bursts of fast keys (supersede storms), explicit
 cancels, pauses, disconnects (clean and abrupt) with reconnects, and now and
 then a 200-500 KB file. The KV budget is small enough that the prefix cache
-must evict, yet a full-window request still fits. Then typing stops, the
-answers drain, the editors leave, and the server must be back where it started.
+must evict, yet a full-window request still fits. Issue #31's parts, each an
+option: `--http-editors` llama.vim-like clients storm the compat port the
+same way (each keystroke a POST /infill or /completion with `cache_prompt`,
+the one before it aborted by closing its connection); `--disagg` gives the
+server a prefill worker, keeps long uncached prompts flowing to it, SIGSTOPs
+it for a while (then SIGCONT) and later SIGKILLs it (the server starts it
+again); `--loads` runs CPU-heavy processes beside (the default model loaded
+again and again) to starve the server. The run is phases: a warm-up, then
+phases of ~5 minutes (two at least; with `--disagg` the worker stopped in
+one, killed in the next); after each, typing stops, the answers drain, the
+clients leave, and the server must be back where it started: no KV block in
+use within 5 s, RSS compared with the first idle after the warm-up, by kind
+of memory, at every idle (a plateau is the allocator's, a steady climb a leak).
 
 Fairness: closed loop (an editor sends its next keystroke when the last one is
 answered), 1 editor alone and `--editors` together, alternating in one run;
 the figure is the ratio of their p99 time-to-done.
 
-    python latency_bench/soak.py --duration 1800 --json docs/results/reliability_soak.json
+    python latency_bench/soak.py --duration 1800 --http-editors 8 --disagg --loads 2 \
+        --json docs/results/reliability_soak.json
     python latency_bench/soak.py --fairness --json docs/results/reliability_fairness.json
 
 Whatever the server answers is counted, never retried or hidden: `overloaded`
@@ -21,17 +33,23 @@ under a storm and deadlines overshot show up in the outcomes. Times are what
 the editor sees (frame sent to done read), client event loop included. What a
 result holds, and how it reads, is in reliability.py.
 
-The simulated editors are in editors.py, the fairness run in fairness.py.
+The simulated editors are in editors.py and http_editors.py, the loads and
+faults in stress.py, the fairness run in fairness.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -41,14 +59,17 @@ from rich.console import Console
 from rich.markdown import Markdown
 from websockets.exceptions import ConnectionClosed
 
-from editors import Book, Conn, answered_as, editor, keep_reading_log, percentile_ms
+from editors import Book, Conn, answered_as, editor, keep_reading_log, long_prompts, percentile_ms
 from fairness import run_fairness
-from reliability import (Gauges, KvPlan, Minute, Sample, SoakResult, fairness_section, machine, now, soak_section,
-                         violations)
+from http_editors import http_editor
+from reliability import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult,
+                         fairness_section, machine, now, soak_section, violations)
+from stress import SideLoads, inject, memory
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from server_harness import TOKEN, ServerProcess, collect, complete_msg, connect, running_server  # noqa: E402
+from server_harness import scrape as scrape_all  # noqa: E402
 
 from completer.checkpoint import parse_config  # noqa: E402
 from completer.config import Config  # noqa: E402
@@ -65,6 +86,12 @@ SOAK_KV_MB = 16.0
 SAMPLE_S = 2.0
 DRAIN_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 20.0
+PHASE_S = 300.0  # after the warm-up, an idle spell about this often
+AROUND_FAULT_S = 10.0  # a fault's window: requests sent this long before it to this long after the worker is back
+# With --disagg: one local prefill worker (its own small KV pool), and prompts past 256 uncached tokens sent to
+# it whatever the estimates say (the embedded model's window is 1,024 tokens), so the link is used all along.
+DISAGG_SETTINGS = ("disagg.enabled=true", "disagg.workers=1", "disagg.threshold_tokens=256",
+                   "disagg.remote_slack=100", "disagg.worker_kv_mb=64")
 
 
 def kv_plan(kv_mb: float) -> KvPlan:
@@ -94,7 +121,8 @@ def scrape(server: ServerProcess) -> Gauges:
             else:
                 found[s.name] = s.value
     return Gauges(blocks or None, found.get("completer_kv_cache_usage_perc"),
-                  found.get("completer_event_loop_tasks"), found.get("completer_requests_in_flight"))
+                  found.get("completer_event_loop_tasks"), found.get("completer_requests_in_flight"),
+                  found.get("completer_prefill_workers_up"))
 
 
 def progress(line: str) -> None:
@@ -128,33 +156,37 @@ async def sample_server(server: ServerProcess, book: Book, samples: list[Sample]
             pass
 
 
-async def drain(conns: list[Conn | None], book: Book) -> float:
+async def drain(conns: list[Conn | None], since: float) -> float:
     """Wait for every answer owed on the connections still open, book what
-    never came as unanswered, then leave. Returns the seconds it took."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < DRAIN_TIMEOUT_S and \
+    never came as unanswered (in each connection's book), then leave. Returns
+    the seconds from `since` (typing stopped) to the end of it."""
+    while time.perf_counter() - since < DRAIN_TIMEOUT_S and \
             any(c.pending and not c.reader.done() for c in conns if c is not None):
         await asyncio.sleep(0.05)
-    drain_s = time.perf_counter() - start
+    drain_s = time.perf_counter() - since
     for conn in filter(None, conns):
         if conn.reader.done():
             conn.closed_by_server()
         else:
-            book.outcomes["unanswered"] += len(conn.pending)
+            conn.book.outcomes["unanswered"] += len(conn.pending)
             conn.pending.clear()
             await conn.leave()
     return drain_s
 
 
-async def settle(server: ServerProcess, baseline: Gauges) -> Gauges:
+async def settle(server: ServerProcess, baseline: Gauges) -> tuple[Gauges, float | None]:
     """The gauges once back at the baseline, or as they are after SETTLE_TIMEOUT_S
-    (closed connections take a moment to unwind)."""
-    end = time.monotonic() + SETTLE_TIMEOUT_S
+    (closed connections take a moment to unwind); and the seconds until no KV
+    block was in use (None: not within SETTLE_TIMEOUT_S)."""
+    start = time.monotonic()
+    kv_zero_s = None
     while True:
         gauges = await asyncio.to_thread(scrape, server)
-        if settled(gauges, baseline) or time.monotonic() > end:
-            return gauges
-        await asyncio.sleep(0.5)
+        if kv_zero_s is None and not gauges.kv_in_use():
+            kv_zero_s = round(time.monotonic() - start, 2)
+        if settled(gauges, baseline) or time.monotonic() > start + SETTLE_TIMEOUT_S:
+            return gauges, kv_zero_s
+        await asyncio.sleep(0.25)
 
 
 async def fresh_completion(server: ServerProcess) -> str:
@@ -166,6 +198,11 @@ async def fresh_completion(server: ServerProcess) -> str:
         return answered_as(end)
     except (OSError, TimeoutError, ConnectionClosed) as e:
         return f"failed:{type(e).__name__}"
+
+
+def compat_health(server: ServerProcess) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.compat}/health", timeout=10) as r:
+        r.read()
 
 
 def healthz(server: ServerProcess) -> bool:
@@ -186,30 +223,167 @@ def per_minute(book: Book) -> list[Minute]:
             for m, v in ((m, sorted(by_minute[m])) for m in sorted(by_minute))]
 
 
-async def soak_load(server: ServerProcess, editors: int, duration: float, seed: int) -> dict:
+class Plan(msgspec.Struct, frozen=True):
+    """What a soak does besides its WebSocket editors."""
+
+    http_editors: int = 0  # llama.vim-like clients of the compat port
+    disagg: bool = False  # a prefill worker, long uncached prompts, the worker stopped then killed
+    loads: int = 0  # CPU-heavy processes beside the server
+    memory_probe: bool = False  # the server dumps malloc's and gc's figures at each idle (memory_probe/)
+    tracemalloc: bool = False  # and traces Python's allocations (slower)
+
+
+def phases(duration: float, disagg: bool) -> list[tuple[str, float, str]]:
+    """(name, seconds, fault) of the soak's phases: a warm-up, then phases of
+    about PHASE_S (two at least), each ending idle: RSS read at each idle tells
+    memory that levels off from memory that keeps growing. With disaggregation
+    the worker is stopped in the odd phases and killed in the even ones."""
+    warm = min(60.0, duration / 4)
+    n = max(2, round((duration - warm) / PHASE_S))
+    each = (duration - warm) / n
+    return [("warm-up", warm, "")] + [(f"phase {i}", each, ("stop" if i % 2 else "kill") if disagg else "")
+                                      for i in range(1, n + 1)]
+
+
+def workers_up(server: ServerProcess) -> float | None:
+    try:
+        return scrape(server).workers_up
+    except OSError:
+        return None
+
+
+async def fault_in(server: ServerProcess, kind: str, seconds: float, start: float) -> Fault | None:
+    """`kind` a third into a phase of `seconds`; a stop lasts a quarter of it (6-30 s)."""
+    await asyncio.sleep(seconds / 3)
+    progress(f"prefill worker: {'SIGSTOP' if kind == 'stop' else 'SIGKILL'}")
+    return await inject(server.proc.pid, kind, min(30.0, max(6.0, seconds / 4)), start,
+                        lambda: workers_up(server))
+
+
+async def run_phase(server: ServerProcess, name: str, seconds: float, fault_kind: str, k: int, editors: int,
+                    plan: Plan, corpus: list[str], books: dict[str, Book], events: Counter, http_events: Counter,
+                    seed: int, faults: list[Fault]) -> PhaseSpan:
+    start = books["ws"].start
+    began = time.perf_counter()
+    stop_at = began + seconds
+    progress(f"{name}: {editors} editors, {plan.http_editors} HTTP clients typing for {seconds:g} s")
+    fault = asyncio.ensure_future(fault_in(server, fault_kind, seconds, start)) if fault_kind else None
+    typing = [editor(i, server, corpus, books["ws"], events, stop_at, seed * 10 + k) for i in range(editors)]
+    typing += [http_editor(i, server.compat, corpus, books["http"], http_events, stop_at, seed * 10 + k,
+                           DRAIN_TIMEOUT_S) for i in range(plan.http_editors)]
+    if plan.disagg:
+        typing.append(long_prompts(server, corpus, books["ws_long"], events, stop_at, seed * 10 + k))
+    conns = await asyncio.gather(*typing)
+    drain_s = await drain(conns, stop_at)
+    progress(f"{name}: drained {drain_s:.1f} s after typing stopped")
+    if fault is not None and (done := await fault) is not None:  # (it waits for a worker to be up again)
+        faults.append(done)
+    return PhaseSpan(name, round(began - start, 1), round(stop_at - start, 1), round(drain_s, 2), fault_kind)
+
+
+async def idle_check(server: ServerProcess, baseline: Gauges, after: str, start: float) -> IdleCheck:
+    """KV back to 0 (and how soon) once the clients left, then memory, past the
+    engine's own malloc_trim (it trims 0.5 s into an idle spell)."""
+    if server.proc.poll() is not None:
+        return IdleCheck(after, None, Gauges(None, None, None, None), None)
+    gauges, kv_zero_s = await settle(server, baseline)
+    await asyncio.sleep(1.0)
+    check = IdleCheck(after, kv_zero_s, gauges, memory(server.proc.pid, round(time.perf_counter() - start, 1)),
+                      await probe(server))
+    progress(f"idle after {after}: KV 0 after {kv_zero_s} s, RSS {check.memory.rss_mb} MB")
+    return check
+
+
+async def probe(server: ServerProcess) -> dict | None:
+    """With --memory-probe: the server's own figures (memory_probe/sitecustomize.py), asked for by SIGUSR2."""
+    path = getattr(server, "probe_path", None)
+    if path is None:
+        return None
+    lines = len(path.read_text().splitlines()) if path.exists() else 0
+    server.proc.send_signal(signal.SIGUSR2)
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:
+        await asyncio.sleep(0.2)
+        if path.exists() and len(dumps := path.read_text().splitlines()) > lines:
+            return json.loads(dumps[lines])
+    return None
+
+
+@contextmanager
+def probing(plan: Plan):
+    """The server started inside sees memory_probe/ first on its path (its sitecustomize); yields the dump file."""
+    if not plan.memory_probe:
+        yield None
+        return
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "COMPLETER_MEMORY_PROBE", "COMPLETER_TRACEMALLOC")}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "memory_probe.jsonl"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "latency_bench" / "memory_probe"),
+                                                                 str(ROOT), saved["PYTHONPATH"])))
+        os.environ["COMPLETER_MEMORY_PROBE"] = str(path)
+        if plan.tracemalloc:
+            os.environ["COMPLETER_TRACEMALLOC"] = "1"
+        try:
+            yield path
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def around(fault: Fault, books: dict[str, Book]) -> dict[str, dict[str, int]]:
+    """Outcomes of the requests sent from AROUND_FAULT_S before the fault to AROUND_FAULT_S after it ended."""
+    lo, hi = fault.at_s - AROUND_FAULT_S, (fault.up_again_s or fault.until_s) + AROUND_FAULT_S
+    return {port: dict(Counter(o for at, _, o in book.answered if lo <= at <= hi)) for port, book in books.items()}
+
+
+def prefill_routes(server: ServerProcess) -> dict[str, int]:
+    figures = scrape_all(server)
+    prefix = "completer_prefill_decisions_total"
+    return {f"{labels['route']}/{labels['reason']}": int(v) for k, v in figures.items() if k.startswith(prefix + "{")
+            for labels in [json.loads(k[len(prefix):])]}
+
+
+async def soak_load(server: ServerProcess, editors: int, duration: float, seed: int, plan: Plan) -> dict:
     corpus = [f.text for f in heldout_files()[1] if len(f.text) >= 300]
+    if plan.http_editors:  # the compat listener's first connection starts its sweeper task: before the baseline
+        await asyncio.to_thread(compat_health, server)
     baseline = await asyncio.to_thread(scrape, server)
-    book, events, samples, stop = Book(Config().engine.block_size), Counter(), [], asyncio.Event()
+    block = Config().engine.block_size
+    books = {port: Book(block) for port in ("ws", "ws_long", "http")}
+    book = books["ws"]
+    for other in books.values():
+        other.start = book.start  # one clock: the faults' windows read every port
+    events, http_events, samples, stop = Counter(), Counter(), [], asyncio.Event()
     sampler = asyncio.create_task(sample_server(server, book, samples, stop))
-    stop_at = book.start + duration
-    progress(f"{editors} editors typing for {duration:g} s")
-    conns = await asyncio.gather(*(editor(i, server, corpus, book, events, stop_at, seed) for i in range(editors)))
-    progress(f"{book.sent} requests sent; draining")
-    drain_s = await drain(conns, book)
-    progress(f"drained in {drain_s:.1f} s; waiting for the server to settle")
+    loads = SideLoads(plan.loads) if plan.loads else None
+    spans, idle, faults = [], [], []
+    for k, (name, seconds, fault_kind) in enumerate(phases(duration, plan.disagg)):
+        if server.proc.poll() is not None:
+            break
+        spans.append(await run_phase(server, name, seconds, fault_kind, k, editors, plan, corpus, books, events,
+                                     http_events, seed, faults))
+        idle.append(await idle_check(server, baseline, name, book.start))
+    progress(f"{sum(b.sent for b in books.values())} requests sent")
+    side_loads = await loads.stop() if loads is not None else ""
     stop.set()
     await sampler
     alive = server.proc.poll() is None
-    after = await settle(server, baseline) if alive else Gauges(None, None, None, None)
+    after = idle[-1].gauges if idle else Gauges(None, None, None, None)
+    for fault in faults:
+        fault.around = around(fault, books)
     minutes = per_minute(book)
     cancelled = sorted(seconds for _, seconds, outcome in book.answered if outcome == "done:cancelled")
-    warm = min(60.0, duration / 4)
+    warm = phases(duration, plan.disagg)[0][1]
     rss = [s.rss_mb for s in samples] or [0.0]
     if alive:  # the end is after the drain: what the server keeps
         rss.append(round(psutil.Process(server.proc.pid).memory_info().rss / 2**20, 1))
     return dict(
-        editors=editors, duration_s=duration, sent=book.sent, outcomes=dict(book.outcomes), events=dict(events),
-        server_closes=dict(book.server_closes), drain_s=round(drain_s, 2),
+        editors=editors, duration_s=duration, sent=book.sent, outcomes=dict(book.outcomes),
+        events={**events, **{f"http_{k}": v for k, v in http_events.items()}},
+        server_closes=dict(book.server_closes), drain_s=max((p.drain_s for p in spans), default=0.0),
         prompt_blocks_computed=book.computed_blocks,
         cache_hit_rate=book.cached_tokens / book.prompt_tokens if book.prompt_tokens else None,
         time_to_done=minutes,
@@ -219,18 +393,30 @@ async def soak_load(server: ServerProcess, editors: int, duration: float, seed: 
         rss_mb_max=max(rss), samples=samples, baseline=baseline, after_drain=after,
         healthz_after=alive and healthz(server),
         fresh_completion_after=await fresh_completion(server) if alive else "failed:server_exited",
-        server_exit_code=server.proc.poll())
+        server_exit_code=server.proc.poll(),
+        http_editors=plan.http_editors, by_port={port: dict(b.outcomes) for port, b in books.items() if b.sent},
+        sent_by_port={port: b.sent for port, b in books.items() if b.sent},
+        unanswered=sum(b.outcomes["unanswered"] for b in books.values()), disagg=plan.disagg,
+        slowest={port: Slowest(round(b.slowest[0], 2), b.slowest[1], b.slowest[2])
+                 for port, b in books.items() if b.answered},
+        prefill_routes=prefill_routes(server) if alive and plan.disagg else {}, faults=faults,
+        side_loads=side_loads, phases=spans, idle=idle)
+
+
+def soak_settings(kv_mb: float, plan: Plan) -> tuple[str, ...]:
+    return (f"engine.kv_cache_mb={kv_mb}", *(DISAGG_SETTINGS if plan.disagg else ()))
 
 
 def run_soak(editors: int = 32, duration: float = 60.0, kv_mb: float = SOAK_KV_MB, seed: int = 0,
-             command: str = "") -> SoakResult:
-    plan = kv_plan(kv_mb)
-    if not plan.fits:
-        raise SystemExit(f"engine.kv_cache_mb={kv_mb} cannot hold a full-window request ({plan})")
-    with running_server(f"engine.kv_cache_mb={kv_mb}") as server:
+             command: str = "", plan: Plan = Plan()) -> SoakResult:
+    kv = kv_plan(kv_mb)
+    if not kv.fits:
+        raise SystemExit(f"engine.kv_cache_mb={kv_mb} cannot hold a full-window request ({kv})")
+    with probing(plan) as probe_path, running_server(*soak_settings(kv_mb, plan)) as server:
+        server.probe_path = probe_path
         log = keep_reading_log(server)
-        measured = asyncio.run(soak_load(server, editors, duration, seed))
-    return SoakResult(date=now(), machine=machine(), command=command, kv=plan, server_log_tail=list(log)[-20:],
+        measured = asyncio.run(soak_load(server, editors, duration, seed, plan))
+    return SoakResult(date=now(), machine=machine(), command=command, kv=kv, server_log_tail=list(log)[-20:],
                       **measured)
 
 
@@ -241,6 +427,16 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="soak seconds of typing")
     ap.add_argument("--editors", type=int, default=32)
     ap.add_argument("--kv-mb", type=float, default=SOAK_KV_MB, help="the soak's engine.kv_cache_mb")
+    ap.add_argument("--http-editors", type=int, default=0,
+                    help="soak: llama.vim-like clients of the compat port beside the WebSocket editors")
+    ap.add_argument("--disagg", action="store_true", help="soak: a prefill worker, long uncached prompts, "
+                    "the worker SIGSTOPped then SIGCONTed in the first half, SIGKILLed in the second")
+    ap.add_argument("--memory-probe", action="store_true", help="soak: at each idle the server reports malloc's "
+                    "in use and free, RSS before and after malloc_trim, live objects (memory_probe/sitecustomize.py)")
+    ap.add_argument("--tracemalloc", action="store_true", help="soak, with --memory-probe: and traces Python's "
+                    "allocations (slower): the lines that grew")
+    ap.add_argument("--loads", type=int, default=0, help="soak: CPU-heavy processes beside the server "
+                    "(loading the cached default model again and again; busy loops without it)")
     ap.add_argument("--fairness", action="store_true", help="the fairness run instead of the soak")
     ap.add_argument("--requests", type=int, default=20, help="fairness: keys per editor per round")
     ap.add_argument("--rounds", type=int, default=2, help="fairness: alone/together alternations")
@@ -254,7 +450,8 @@ def main() -> int:
         result = run_fairness(args.editors, args.requests, args.rounds, args.seed, command, tuple(args.set))
         section, broken = fairness_section(result), []
     else:
-        result = run_soak(args.editors, args.duration, args.kv_mb, args.seed, command)
+        result = run_soak(args.editors, args.duration, args.kv_mb, args.seed, command,
+                          Plan(args.http_editors, args.disagg, args.loads, args.memory_probe, args.tracemalloc))
         section, broken = soak_section(result), violations(result)
     Console().print(Markdown("\n".join(section)))
     if args.json:

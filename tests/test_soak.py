@@ -1,7 +1,8 @@
 """A bounded soak against the real server (32 editors typing for 60 s, with
 supersede storms, cancels, disconnects, a long file and a KV budget a few
-full-window requests fill): the invariants of docs/protocol.md and of a
-server that gives back what it took. Speed is not asserted here; latency_bench/soak.py
+full-window requests fill; 4 llama.vim-like clients storming the compat
+port beside them): the invariants of docs/protocol.md and of a server that
+gives back what it took. Speed is not asserted here; latency_bench/soak.py
 and RELIABILITY.md report it."""
 
 import sys
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "latency_bench"))
+import http_editors  # noqa: E402
 import soak  # noqa: E402
 
 OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
@@ -18,7 +20,7 @@ OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_serv
 
 @pytest.fixture(scope="module")
 def result():
-    return soak.run_soak(editors=32, duration=60.0, seed=13)
+    return soak.run_soak(editors=32, duration=60.0, seed=13, plan=soak.Plan(http_editors=4))
 
 
 def test_the_server_survives_the_soak(result):
@@ -63,6 +65,28 @@ def test_the_server_answers_health_and_a_fresh_completion_after_the_soak(result)
     assert result.fresh_completion_after.startswith("done:"), result.fresh_completion_after
 
 
+def test_every_http_request_gets_one_status_with_json_or_was_aborted_by_its_client(result):
+    o, sent = result.by_port["http"], result.sent_by_port["http"]
+    assert o.get("aborted", 0) > 0, o  # keystrokes closed the connection of the request before them
+    assert any(name.startswith("done:") for name in o), o
+    assert {name: n for name, n in o.items() if name.startswith(http_editors.BROKEN) and n} == {}, o
+    assert sum(o.values()) == sent, o  # each request booked exactly once
+    assert result.unanswered == 0
+
+
+def test_kv_returns_to_zero_within_5_s_of_each_idle_spell(result):
+    assert [c.after for c in result.idle] == ["warm-up", "phase 1", "phase 2"]
+    assert all(c.kv_zero_s is not None and c.kv_zero_s <= 5.0 for c in result.idle), result.idle
+    assert all(c.memory is not None and c.memory.anon_mb > 0 for c in result.idle)
+
+
+def test_an_http_answer_is_booked_by_its_status_and_body():
+    assert http_editors.outcome_of(200, b'{"content": "x", "stop_type": "limit"}') == "done:limit"
+    assert http_editors.outcome_of(503, b'{"error": {"code": 503, "message": "busy"}}') == "error:503"
+    assert http_editors.outcome_of(503, b"Service Unavailable") == "not_json:503"
+    assert http_editors.outcome_of(400, b'{"detail": "no envelope"}') == "not_json:400"
+
+
 def test_the_books_catch_a_second_answer_a_delta_after_it_and_an_unknown_id():
     # The soak's own bookkeeping, without a server: what the invariants above rely on.
     book = soak.Book(block_size=16)
@@ -73,3 +97,19 @@ def test_the_books_catch_a_second_answer_a_delta_after_it_and_an_unknown_id():
         book.frame(conn, msg)
     assert book.outcomes == {"done:stop": 1, "duplicate": 1, "after_terminal": 1, "unknown_id": 1}
     assert conn.pending == {} and book.computed_blocks == 2
+
+
+def test_the_new_invariants_break_on_an_http_request_without_json_kv_held_past_5_s_and_a_worker_never_back(result):
+    # The verdict's own logic, on the soak's result with one thing at a time gone wrong.
+    import msgspec
+
+    from reliability import Fault, violations
+
+    assert violations(result) == []
+    replace = msgspec.structs.replace
+    http = {**result.by_port, "http": {**result.by_port["http"], "no_answer:ServerDisconnectedError": 1}}
+    assert violations(replace(result, by_port=http)) == ["1 no_answer:ServerDisconnectedError (http)"]
+    slow = [replace(c, kv_zero_s=6.0) if i == 1 else c for i, c in enumerate(result.idle)]
+    assert violations(replace(result, idle=slow)) == ["KV not back to 0 within 5 s of idle after the phase 1 (6.0 s)"]
+    lost = Fault("kill", 30.0, 30.0, 1234)
+    assert violations(replace(result, faults=[lost])) == ["no prefill worker up again after the kill at 30 s"]
