@@ -42,6 +42,21 @@ def make_core(models, tokenizer, draft="other", blocks=400, config=None, spec=No
                             num_blocks={"target": blocks, "draft": blocks})
 
 
+class StepLoop:
+    """The engine loop's part of a step (core.EngineLoop), played by a test:
+    `between` takes the events sent mid-step and returns the ids cancelled
+    meanwhile; `cancel` says whether cancels wait for all these ids."""
+
+    def __init__(self, between=lambda events: [], cancel=lambda ids: False):
+        self.between, self.cancel = between, cancel
+
+    def between_passes(self, events):
+        return self.between(events)
+
+    def cancel_waiting(self, request_ids):
+        return self.cancel(request_ids)
+
+
 def usage(core, role="target"):
     return core.kv.pools[role].usage()
 

@@ -12,7 +12,7 @@ import pytest
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import Engine
 from completer.engine.request import EngineError, Finished, Request, SamplingParams
-from engine_harness import build_models, free_mode, greedy_reference, make_core, prompts, run, usage
+from engine_harness import StepLoop, build_models, free_mode, greedy_reference, make_core, prompts, run, usage
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +100,10 @@ def test_first_tokens_leave_before_the_decode_pass_and_a_cancel_meanwhile_skips_
         seen.extend(events)
         return ["b"]
 
-    core.between_passes = hook
     ps = prompts(2, seed=3)
     core.add(Request("a", ps[0], free_mode(8)))
     core.add(Request("b", ps[1], free_mode(8)))
-    after = core.step()
+    after = core.step(StepLoop(hook))
     if not between_passes:
         assert seen == [] and not any(isinstance(e, Finished) for e in after)
         return

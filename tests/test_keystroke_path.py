@@ -12,7 +12,7 @@ from completer.engine.moved_kv import longest_shared_run
 from completer.engine.request import Request
 from completer.healing import TokenHealer
 from completer.model import Transformer
-from engine_harness import CFG, build_models, free_mode, make_core, prompts, run, usage
+from engine_harness import CFG, StepLoop, build_models, free_mode, make_core, prompts, run, usage
 
 CONFIG = EngineConfig(block_size=4, prefill_chunk=64)
 
@@ -81,9 +81,8 @@ def test_deferred_draft_prefill_keeps_greedy_output_and_the_first_token_waits_fo
         core = make_core(models, code_tok, spec=SpecConfig(defer_draft_prefill=defer))
         core.add(Request("a", ps[0], free_mode(16)))
         seen = []
-        core.between_passes = lambda events: seen.append(  # noqa: B023
-            (core.by_id["a"].num_generated, core.by_id["a"].kv["draft"].computed)) or []
-        core.step()
+        core.step(StepLoop(lambda events: seen.append(  # noqa: B023
+            (core.by_id["a"].num_generated, core.by_id["a"].kv["draft"].computed)) or []))
         assert seen == [(1, drafter_has)]
         while core.has_work:
             core.step()
@@ -109,37 +108,37 @@ def test_a_decode_pass_whose_requests_were_all_superseded_is_given_up(models, co
     core = make_core(models, code_tok)
     p, q = prompts(2, seed=8)
     waiting: list[str] = []
-    core.cancelled = lambda ids: bool(waiting) and set(ids) <= set(waiting)
-    core.between_passes = lambda events: [w for w in waiting if w in core.by_id]
+
+    def loop_of(core):
+        return StepLoop(lambda events: [w for w in waiting if w in core.by_id],
+                        lambda ids: bool(waiting) and set(ids) <= set(waiting))
+
     core.add(Request("old", p, free_mode(20)))
-    core.step()  # its prefill, first tokens and a decode pass
+    core.step(loop_of(core))  # its prefill, first tokens and a decode pass
     waiting.append("old")  # a newer keystroke's cancel, there while the next pass runs
-    events = core.step()
+    events = core.step(loop_of(core))
     assert [(e.id, e.reason) for e in events if hasattr(e, "reason")] == [("old", "cancelled")]
     assert not core.has_work and usage(core) == 0 and usage(core, "draft") == 0
     assert core.passes_interrupted == 1
     # Cancelled while its prefill runs: the prefill ends (its K/V cached), the decode pass never starts.
     core.add(Request("older", q, free_mode(20)))
     waiting.append("older")
-    events = core.step()
+    events = core.step(loop_of(core))
     assert [(e.id, e.reason) for e in events if hasattr(e, "reason")] == [("older", "cancelled")]
     cached, _ = core.kv.pools["target"].match_prefix(q + [1])
     assert len(cached) == len(q) // 4
     core.kv.pools["target"].release(cached)
     assert core.passes_interrupted == 1 and usage(core) == 0
     waiting.clear()
-    core.between_passes = core.cancelled = None  # (run() collects the deltas itself)
     after = run(core, [Request("new", q, free_mode(12))])["new"]
     assert after.text == run(make_core(models, code_tok), [Request("new", q, free_mode(12))])["new"].text
     # Off (`engine.interrupt_superseded`): the pass runs to its end.
     off = make_core(models, code_tok, config=msgspec.structs.replace(CONFIG, interrupt_superseded=False))
-    off.cancelled = lambda ids: bool(waiting) and set(ids) <= set(waiting)
-    off.between_passes = lambda events: [w for w in waiting if w in off.by_id]
     waiting.clear()
     off.add(Request("old", p, free_mode(20)))
-    off.step()
+    off.step(loop_of(off))
     waiting.append("old")
-    off.step()
+    off.step(loop_of(off))
     assert off.passes_interrupted == 0
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -48,6 +47,16 @@ if TYPE_CHECKING:
     from completer.disagg.remote import RemotePrefill
 
 
+class EngineLoop(Protocol):
+    """What a step asks of the loop that runs it (`engine.Engine`)."""
+
+    def between_passes(self, events: list[Event]) -> list[str]:
+        """Deliver the events so far; the ids whose cancel came meanwhile."""
+
+    def cancel_waiting(self, request_ids: list[str]) -> bool:
+        """Whether a cancel waits for every one of these requests."""
+
+
 class EngineCore:
     def __init__(self, runners: dict[str, ModelRunner], kv: KVCacheManager, tokenizer: TextTokenizer,
                  stop_ids: list[int], config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(),
@@ -59,12 +68,17 @@ class EngineCore:
         self.kv = kv
         self.tokenizer = tokenizer
         self.config, self.spec = config, spec
-        self.output = OutputProcessor(set(stop_ids))
         self.disagg: RemotePrefillSteps | None = None  # the scheduler's connector to prefill workers
         if remote is not None:
             remote.register(self.target.pool)
-            self.disagg = RemotePrefillSteps(remote, kv, self.output, config.prefill_chunk)
+            self.disagg = RemotePrefillSteps(remote, kv, config.prefill_chunk)
         self.scheduler = Scheduler(config, kv, self.disagg)
+        self.by_id: dict[str, Sequence] = {}  # requests and their candidates
+        stop = set(stop_ids)
+        self.candidates = Candidates(kv, self.scheduler, stop, config.candidates_max_batch, self.by_id,
+                                     self._sequence)
+        self.output = OutputProcessor(stop, self.candidates)
+        self.loop: EngineLoop | None = None  # the loop running the current step, if any
         self.sampler = Sampler(TokenHealer(tokenizer))
         self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
         proposers = []
@@ -76,14 +90,6 @@ class EngineCore:
                 drafter.interrupted = self._interrupted
             proposers.append(drafter)
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
-        self.by_id: dict[str, Sequence] = {}  # requests and their candidates
-        self.candidates = Candidates(kv, self.scheduler, self.output.stop_ids, config.candidates_max_batch,
-                                     self.by_id, self._sequence)
-        self.output.candidates = self.candidates
-        # Set by the engine loop: takes the events so far, returns the ids cancelled meanwhile.
-        self.between_passes: Callable[[list[Event]], list[str]] | None = None
-        # Set by the engine loop: whether cancels for all these request ids are waiting.
-        self.cancelled: Callable[[list[str]], bool] | None = None
         self.passes_interrupted = 0
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
@@ -225,20 +231,25 @@ class EngineCore:
 
     # -- the iteration ------------------------------------------------------
 
-    def step(self) -> list[Event]:
+    def step(self, loop: EngineLoop | None = None) -> list[Event]:
+        """loop: the engine loop running it (first tokens go out between passes,
+        superseded passes are given up); None runs the step alone (tests)."""
+        self.loop = loop
         try:
             return self._step()
         except PassInterrupted:  # every running request was cancelled mid-pass: they end now
             self.passes_interrupted += 1
-            for request_id in self.between_passes(self.output.drain()):
+            for request_id in loop.between_passes(self.output.drain()):
                 self.abort(request_id)
             return self.output.drain()
+        finally:
+            self.loop = None
 
     def _interrupted(self) -> bool:
         """Before each layer of a pass: whether every running request has a
         cancel waiting (a newer keystroke superseded them), so the pass is
         work nobody will see. Only all of them: a pass is never half-given-up."""
-        return self.cancelled is not None and self.cancelled([s.id for s in self.scheduler.running])
+        return self.loop is not None and self.loop.cancel_waiting([s.id for s in self.scheduler.running])
 
     def take_closed_jobs(self) -> None:
         """The prefill jobs that closed: their sequences decode, prefill here or
@@ -250,7 +261,8 @@ class EngineCore:
             self.scheduler.prefill_here(seq)
         for seq in ready:
             self._start_decoding(seq)
-        for seq in failed:
+        for seq, why in failed:
+            self.output.fail(seq, "internal", why)
             self._drop(seq)
 
     def _step(self) -> list[Event]:
@@ -264,10 +276,10 @@ class EngineCore:
             torch.set_num_threads(1 if self.fused else self.prefill_threads)
             self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
-            if self.between_passes is not None and self.config.between_passes:
+            if self.loop is not None and self.config.between_passes:
                 # A keystroke's first token is out a decode pass sooner; one superseded meanwhile
                 # does not take a place in that pass.
-                for request_id in self.between_passes(self.output.drain()):
+                for request_id in self.loop.between_passes(self.output.drain()):
                     self.abort(request_id)
         decoding = self.scheduler.decoding()
         if decoding:
@@ -290,7 +302,7 @@ class EngineCore:
         mostly starts with the same text, and finds the K/V in the cache."""
         self.kv.allocate(role, seqs, rows)
         interrupted = None
-        if self.cancelled is not None and self.config.interrupt_superseded and not prefill:
+        if self.loop is not None and self.config.interrupt_superseded and not prefill:
             interrupted = self._interrupted
         return self.runners[role].execute([s.kv[role] for s in seqs], rows, last_only, last=last,
                                           interrupted=interrupted)

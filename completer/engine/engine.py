@@ -127,8 +127,6 @@ class Superseding:
 class Engine:
     def __init__(self, core: EngineCore):
         self.core = core
-        core.between_passes = self._between_passes
-        core.cancelled = self._cancel_waiting
         self._inbox: list[tuple[str, object]] = []
         self._cond = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
@@ -244,7 +242,7 @@ class Engine:
             self._cancels += 1
             self._cond.notify()
 
-    def _cancel_waiting(self, request_ids: list[str]) -> bool:
+    def cancel_waiting(self, request_ids: list[str]) -> bool:
         """From the engine thread, between layers: every one of these has a cancel in the inbox."""
         if not self._cancels or not request_ids:
             return False
@@ -296,7 +294,7 @@ class Engine:
                     events.append((request.id, EngineError("internal", f"{type(e).__name__}: {e}")))
             if core.has_work:
                 try:
-                    events += as_delivered(core.step())
+                    events += as_delivered(core.step(self))
                 except Exception as e:  # fail this step's requests, not the server
                     log.exception("engine step failed; its %d running requests end with an internal error",
                                   len(core.scheduler.running))
@@ -306,7 +304,7 @@ class Engine:
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 
-    def _between_passes(self, events: list) -> list[str]:
+    def between_passes(self, events: list) -> list[str]:
         """Mid-step: send what the prefill pass produced; take the cancels of
         requests in flight that arrived meanwhile (a cancel of one still in
         the inbox keeps its place behind that request's `add`)."""

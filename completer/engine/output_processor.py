@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 
 class OutputProcessor:
-    def __init__(self, stop_ids: set[int]):
+    def __init__(self, stop_ids: set[int], candidates: Candidates | None = None):
+        """candidates: where a request's and its candidates' ends are collected (None: no `n`)."""
         self.stop_ids = stop_ids
         self.events: list[Event] = []
-        self.candidates: Candidates | None = None  # set by the core that forks them
+        self.candidates = candidates
 
     def append(self, seq: Sequence, tokens: list[int]) -> FinishReason | None:
         """Take accepted tokens in order, streaming their text; returns why the

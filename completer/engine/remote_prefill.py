@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 from completer.engine.kv_cache_manager import KVCacheManager
-from completer.engine.output_processor import OutputProcessor
 from completer.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
@@ -25,8 +24,8 @@ log = logging.getLogger(__name__)
 class RemotePrefillSteps:
     """The scheduler's PrefillConnector for prefill workers."""
 
-    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, output: OutputProcessor, prefill_chunk: int):
-        self.remote, self.kv, self.output = remote, kv, output
+    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, prefill_chunk: int):
+        self.remote, self.kv = remote, kv
         self.prefill_chunk = prefill_chunk
         self.remote_seqs: dict[int, Sequence] = {}  # open job -> the sequence it prefills
         self.held_by_jobs: dict[int, list[int]] = {}  # job -> target blocks of a request that ended first
@@ -60,10 +59,10 @@ class RemotePrefillSteps:
         state.table, state.computed, state.chain = [], 0, []
         self.remote.abort(job)
 
-    def poll(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    def poll(self) -> tuple[list[Sequence], list[Sequence], list[tuple[Sequence, str]]]:
         """The jobs that closed since the last step: (sequences whose target
         now holds the whole prompt, sequences to prefill here instead,
-        sequences that failed and must be dropped)."""
+        sequences that fail, with why)."""
         ready, here, failed = [], [], []
         for closed in self.remote.poll():
             if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
@@ -79,13 +78,15 @@ class RemotePrefillSteps:
                 seq.timings.prefill = "remote"
                 seq.first_logits = closed.logits
                 ready.append(seq)
+            elif (why := self._recompute_here(seq, closed)) is None:
+                here.append(seq)
             else:
-                (here if self._recompute_here(seq, closed) else failed).append(seq)
+                failed.append((seq, why))
         return ready, here, failed
 
-    def _recompute_here(self, seq: Sequence, closed: Closed) -> bool:
+    def _recompute_here(self, seq: Sequence, closed: Closed) -> str | None:
         """A job lost (its worker died, stalled or failed): prefill here if the
-        deadline leaves time for it; else the request fails (False)."""
+        deadline leaves time for it (None); else why the request fails."""
         state = seq.kv["target"]
         self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
         seq.timings.prefill_reason = "worker_lost"
@@ -94,9 +95,8 @@ class RemotePrefillSteps:
         if need_s > left_s:
             log.warning("request %s: %s; a prefill here (~%.1f s) would miss its deadline: it fails",
                         seq.id, closed.why, need_s)
-            self.output.fail(seq, "internal", f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
-                                              f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
-            return False
+            return (f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
+                    f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
         log.warning("request %s: %s (%s); prefilling it here instead", seq.id, closed.why,
                     "mid-transfer" if closed.mid_transfer else "before any K/V arrived")
-        return True
+        return None
