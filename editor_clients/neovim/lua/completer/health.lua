@@ -75,7 +75,10 @@ function M.check()
       r.warn('unknown options (ignored): ' .. table.concat(unknown, ', '), { ':help completer-options' })
     end
     r.info(('%s; %d excluded path globs; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
-      #cfg.exclude, cfg.context.enabled and 'on' or 'off'))
+      #require('completer.privacy').excluded_globs(cfg), cfg.context.enabled and 'on' or 'off'))
+    if cfg.exclude_sensitive_files == false then
+      r.warn('exclude_sensitive_files = false: .env files, keys and credentials may be sent to the server')
+    end
   end
 
   r.start('completer: token')

@@ -1,8 +1,10 @@
 -- Which buffers may be sent to the server, as the document of a request or as
 -- context for another one: not special buffers, not filetypes switched off,
--- not files whose path matches an `exclude` glob (secrets by default: .env,
--- keys, certificates, credentials), only those matching `include` when it is
--- set, and not a buffer whose b:completer_enabled is false.
+-- not files whose path matches a secrets glob (config.SECRETS: .env, keys,
+-- certificates, credentials; unless exclude_sensitive_files is false) or an
+-- `exclude` glob, only those matching `include` when it is set, and not a
+-- buffer whose b:completer_enabled is false.
+local config = require('completer.config')
 local api = vim.api
 
 local M = {}
@@ -48,11 +50,18 @@ function M.blocked(buf, cfg)
   local name = api.nvim_buf_get_name(buf)
   if name ~= '' then
     local path = vim.fn.fnamemodify(name, ':p')
-    local g = any(cfg.exclude, path)
+    local g = (cfg.exclude_sensitive_files ~= false and any(config.SECRETS, path)) or any(cfg.exclude, path)
     if g then return 'excluded by ' .. g end
     if cfg.include and #cfg.include > 0 and not any(cfg.include, path) then return 'not in include' end
   end
   return nil
+end
+
+--- Every glob that excludes a file: the secrets (unless switched off), then `exclude`.
+function M.excluded_globs(cfg)
+  local out = cfg.exclude_sensitive_files ~= false and vim.deepcopy(config.SECRETS) or {}
+  for _, g in ipairs(cfg.exclude or {}) do out[#out + 1] = g end
+  return out
 end
 
 --- True when a completion may be asked for in `buf` (it must also be editable).
