@@ -35,6 +35,12 @@ local function any(globs, path)
   end
 end
 
+--- The glob that excludes the file at `path` (absolute): one of the secrets
+--- (unless exclude_sensitive_files is false), else one of `exclude`; nil if none.
+function M.excluded(path, cfg)
+  return (cfg.exclude_sensitive_files ~= false and any(config.SECRETS, path)) or any(cfg.exclude, path)
+end
+
 --- Why `buf` must not be sent (a short reason), or nil when it may be.
 function M.blocked(buf, cfg)
   if not api.nvim_buf_is_valid(buf) then return 'invalid buffer' end
@@ -50,7 +56,7 @@ function M.blocked(buf, cfg)
   local name = api.nvim_buf_get_name(buf)
   if name ~= '' then
     local path = vim.fn.fnamemodify(name, ':p')
-    local g = (cfg.exclude_sensitive_files ~= false and any(config.SECRETS, path)) or any(cfg.exclude, path)
+    local g = M.excluded(path, cfg)
     if g then return 'excluded by ' .. g end
     if cfg.include and #cfg.include > 0 and not any(cfg.include, path) then return 'not in include' end
   end
