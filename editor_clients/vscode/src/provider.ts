@@ -150,12 +150,12 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     }
     const selected = context.selectedCompletionInfo;
     // The suggest widget is open: everything below is for the document as if its selected item were inserted.
-    const as = selected ? asIfSelected(document, position, selected) : undefined;
-    if (selected && !as) {
+    const asIf = selected ? asIfSelected(document, position, selected) : undefined;
+    if (selected && !asIf) {
       return undefined;
     }
-    const cursor = as ? as.cursor : document.offsetAt(position);
-    const source = as ? as.source : textSource(document);
+    const cursor = asIf ? asIf.cursor : document.offsetAt(position);
+    const source = asIf ? asIf.source : textSource(document);
     if (this.tracker.current) {
       // Typed (or accepted) what the suggestion says: the rest, at once, with no request and no flicker.
       const rest = this.tracker.observe(source, cursor, this.accepting ? 'accepted' : 'typed');
@@ -163,12 +163,12 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       if (rest !== undefined && shown) {
         shown.version = document.version;
         stats.typeThrough += 1;
-        return as ? this.items(shown.id, rest.map((a) => ({ index: a.index, text: as.head + a.text })), as.range)
+        return asIf ? this.items(shown.id, rest.map((a) => ({ index: a.index, text: asIf.head + a.text })), asIf.range)
           : this.items(shown.id, rest, new vscode.Range(position, position));
       }
     }
-    const doc = as ? as.doc : documentText(document);
-    const afterAccept = as ? undefined : prefetch.speculationAt(doc, cursor);
+    const doc = asIf ? asIf.doc : documentText(document);
+    const afterAccept = asIf ? undefined : prefetch.speculationAt(doc, cursor);
     if (afterAccept) {
       return this.showNextLine(afterAccept, document, position, token);
     }
@@ -176,9 +176,9 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     const hit = cache.get(place);
     if (hit) {
       stats.cacheHits += 1;
-      return this.show(hit.id, hit.alternatives, document, position, 0, as);
+      return this.show(hit.id, hit.alternatives, document, position, 0, asIf);
     }
-    const ahead = as ? undefined : prefetch.speculationFor(place);
+    const ahead = asIf ? undefined : prefetch.speculationFor(place);
     if (ahead) { // Enter came before the next line did
       const next = await unlessCancelled(ahead.result, token);
       return next && document.version === doc.version ? this.show(next.id, next.alternatives, document, position) : undefined;
@@ -196,7 +196,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (token.isCancellationRequested) {
       return undefined;
     }
-    return this.request(doc, place, document, position, token, as);
+    return this.request(doc, place, document, position, token, asIf);
   }
 
   /** The fields of a request at `cursor` of `doc` (also what prefetched requests send). */
@@ -226,7 +226,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   }
 
   private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
-    token: vscode.CancellationToken, as?: AsIfSelected): Promise<vscode.InlineCompletionItem[] | undefined> {
+    token: vscode.CancellationToken, asIf?: AsIfSelected): Promise<vscode.InlineCompletionItem[] | undefined> {
     const { client, stats, cache, feedback } = this.parts;
     let pending: PendingCompletion;
     try {
@@ -259,7 +259,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       }
       return undefined;
     }
-    return this.show(result.id, alternatives, document, position, 0, as);
+    return this.show(result.id, alternatives, document, position, 0, asIf);
   }
 
   /** Right after a whole accept at the end of a line: the next line, with the line break Enter would insert. */
@@ -276,14 +276,14 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   }
 
   /**
-   * Show `alternatives` at `position`; with `as`, at the cursor of the
+   * Show `alternatives` at `position`; with `asIf`, at the cursor of the
    * document as if the suggest widget's item were inserted (tracked there:
    * once the item is inserted the document is that one), each text after the
    * item's over its range.
    */
   private show(id: string, alternatives: Alternative[], document: vscode.TextDocument, position: vscode.Position,
-    lead = 0, as?: AsIfSelected): vscode.InlineCompletionItem[] | undefined {
-    this.tracker.show(id, as ? as.source : textSource(document), as ? as.cursor : document.offsetAt(position), alternatives,
+    lead = 0, asIf?: AsIfSelected): vscode.InlineCompletionItem[] | undefined {
+    this.tracker.show(id, asIf ? asIf.source : textSource(document), asIf ? asIf.cursor : document.offsetAt(position), alternatives,
       lead);
     const shown = this.tracker.current;
     if (!shown) {
@@ -293,8 +293,8 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     this.parts.feedback.markDisplayed(id);
     this.parts.stats.show(alternatives[0].text.slice(lead));
     void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, true);
-    if (as) {
-      return this.items(id, shown.alive.map((a) => ({ index: a.index, text: as.head + a.text })), as.range);
+    if (asIf) {
+      return this.items(id, shown.alive.map((a) => ({ index: a.index, text: asIf.head + a.text })), asIf.range);
     }
     return this.items(id, shown.alive, new vscode.Range(position, position));
   }

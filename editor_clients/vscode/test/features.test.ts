@@ -319,7 +319,7 @@ describe('the generating indicator, the suggest widget, request timeouts (#28)',
     assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined);
     id = completes(s).at(-1)?.id as string;
     assert.equal((await wire(s, id)).done.code, 'bad_request');
-    assert.ok(item.texts.slice(texts).includes('$(loading~spin) completer'), `it spun: ${item.texts.slice(texts)}`);
+    assert.ok(item.texts.slice(texts).includes('$(loading~spin) completer'), `it spun: ${JSON.stringify(item.texts.slice(texts))}`);
     assert.equal(item.text, '$(warning) completer: error');
 
     // a timeout: completer.requestTimeoutMs overrides the deadline

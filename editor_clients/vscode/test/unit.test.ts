@@ -418,7 +418,7 @@ describe('requests generating a suggestion (the status bar\'s spinner)', () => {
       { assumedDeadlineMs: 10_000, requestMarginMs: 2_000, ...timeouts }, () => seen.push(requests.generating));
     return { requests, seen, sent };
   };
-  it('counts completions in flight, not primes nor prefetches; each end, cancel or supersession takes one off', async () => {
+  it('counts completions in flight, not primes nor prefetches; each end, cancel or supersession takes one off', () => {
     const { requests, seen } = setup();
     const a = requests.add(doc(), {});
     requests.add({ ...doc(), max_tokens: 0, supersede: false }, { purpose: 'prime' });
