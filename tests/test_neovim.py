@@ -658,9 +658,9 @@ def test_a_request_on_a_dead_connection_times_out(server, editor, tmp_path):
 WAITS = """
 _G.waits = {}
 local core = require('completer.core')
-local wait_ms = core.wait_ms
+_G.wait_ms = _G.wait_ms or core.wait_ms -- the plugin's own (setup() again keeps the module)
 core.wait_ms = function(uri)
-  local w = wait_ms(uri)
+  local w = _G.wait_ms(uri)
   table.insert(_G.waits, w)
   return w
 end
@@ -686,11 +686,15 @@ def test_requests_without_a_deadline_follow_the_servers(server, editor, tmp_path
         editor.nvim.input("<Esc>")
         return editor.lua("return _G.waits")
 
-    assert waits_for(tmp_path / "d.py") == [16000, 3000]
+    # (Entering insert mode may ask too, before the first keystroke: one request more.)
+    waits = waits_for(tmp_path / "d.py")
+    assert len(waits) >= 2 and waits[0] == 16000 and set(waits[1:]) == {3000}, waits
     assert editor.lua("return require('completer.core').server_deadline_ms()") == 2000
     assert editor.lua("return require('completer').status().server.request.first_deadline_ms") == 15000
-    assert waits_for(tmp_path / "e.py", deadline_ms=300) == [1300, 1300]
-    assert waits_for(tmp_path / "f.py", request_timeout_ms=700) == [700, 700]
+    waits = waits_for(tmp_path / "e.py", deadline_ms=300)
+    assert len(waits) >= 2 and set(waits) == {1300}, waits
+    waits = waits_for(tmp_path / "f.py", request_timeout_ms=700)
+    assert len(waits) >= 2 and set(waits) == {700}, waits
 
 
 def test_undo_takes_back_only_the_accepted_text_and_dot_repeats(server, editor, tmp_path):
@@ -1174,7 +1178,8 @@ def test_exclude_adds_to_the_secrets_list_and_the_opt_out_drops_it(server, edito
 
 GENERATING = """
 _G.generating = {}
-vim.api.nvim_create_autocmd('User', { pattern = 'CompleterGenerating', callback = function(ev)
+vim.api.nvim_create_autocmd('User', { pattern = 'CompleterGenerating',
+  group = vim.api.nvim_create_augroup('completer_test_generating', { clear = true }), callback = function(ev)
   table.insert(_G.generating, vim.g.completer_generating)
   if ev.data ~= nil then assert(ev.data.generating == vim.g.completer_generating) end
 end })
