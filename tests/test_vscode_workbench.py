@@ -6,10 +6,10 @@ read from its DOM. Against the real server (embedded models), through a relay
 that records every frame, so the ghost text is compared with the completions
 the server sent.
 
-It checks: the status item says connected, with the last latency, then
-offline when the server goes, then connected again; every ghost text shown is
-the rest of a completion the server sent; typing what it shows keeps the rest
-on screen without a request; Escape dismisses it; Tab inserts it; with the
+It checks: the status item says connected, with the last latency, spins
+while a request generates, says offline when the server goes, then connected
+again; every ghost text shown is the rest of a completion the server sent;
+typing what it shows keeps the rest on screen without a request; Escape dismisses it; Tab inserts it; with the
 suggest widget open the ghost text is its selected item followed by a
 completion asked for as if that item were inserted; a `.env` file is neither
 completed nor primed, nor sent as context. It prints the
@@ -288,6 +288,20 @@ def workbench(code_server_root, vsix, tmp_path):
 
 STATUS = "document.getElementById('completer.completer')"
 
+# Counts the times the status item showed the spinning codicon (`$(loading~spin)`: a request generating).
+WATCH_SPINNER = f"""(() => {{
+  const item = {STATUS};
+  window.__spins = 0;
+  let spinning = false;
+  const look = () => {{
+    const now = !!item.querySelector('.codicon-loading.codicon-modifier-spin');
+    if (now && !spinning) window.__spins += 1;
+    spinning = now;
+  }};
+  new MutationObserver(look).observe(item, {{ subtree: true, childList: true, attributes: true, characterData: true }});
+  return true;
+}})()"""
+
 
 async def status(page: DevTools) -> dict:
     return await page.evaluate(f"""(() => {{
@@ -426,6 +440,7 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
     assert connected, f"the status item never said connected: {await status(page)}"
     assert f"connected to ws://127.0.0.1:{relay_port}/v1/ws" in connected["aria"], connected
     assert await page.evaluate(PAGE_SCRIPT)
+    assert await page.evaluate(WATCH_SPINNER)
 
     step("connected; opening main.py")
     await open_file(page, "main.py")
@@ -469,6 +484,10 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
     assert not unserved, f"ghost texts that are no completion the server sent (prefix tail, ghost, ghost 0.5 s later): {unserved}"
 
     step(f"typed: {len(samples)} keystrokes showed a ghost text")
+    spins = await page.evaluate("window.__spins")
+    requested = sum(s["request"] for s in samples)
+    assert spins > 0, f"the status item never spun, though {requested} keystrokes sent a request"
+    step(f"the status item spun {spins} times")
     # A new function's line, typed until a ghost text shows that starts on it (not with a line
     # break) and is long enough for what follows: type through it, dismiss it, accept it.
     step("typing until a ghost text to type through")
