@@ -9,10 +9,11 @@ the server sent.
 It checks: the status item says connected, with the last latency, spins
 while a request generates, says offline when the server goes, then connected
 again; every ghost text shown is the rest of a completion the server sent;
-typing what it shows keeps the rest on screen without a request; Escape dismisses it; Tab inserts it; with the
-suggest widget open the ghost text is its selected item followed by a
-completion asked for as if that item were inserted; a `.env` file is neither
-completed nor primed, nor sent as context. It prints the
+typing what it shows keeps the rest on screen without a request; Escape
+dismisses it; Tab inserts it; with the suggest widget open the ghost text is
+its selected item followed by a completion for the document as if that item
+were inserted; a `.env` file is neither completed nor primed, nor sent as
+context. It prints the
 keystroke-to-ghost latency (p50/p99 over the keystrokes after which a ghost
 text showed, and over those that needed a request) and writes it, with a
 screenshot, to test-artifacts/.
