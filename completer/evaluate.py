@@ -30,8 +30,9 @@ from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models
-from completer.pipeline import LocalCompleter, RequestOptions
+from completer.pipeline import CompletionPipeline, LocalCompleter, RequestOptions, display_path
 from completer.imports import imported_files
+from completer.prompt import Snippet
 from completer.protocol import ContextItem, Document
 from completer.training.corpus import SourceFile, pip_sources, read_python_files
 
@@ -141,15 +142,24 @@ async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_toke
         return done
 
 
+def completions(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
+                contexts: list[list[ContextItem]] | None = None, retrieval: bool = True,
+                engine: EngineConfig = EngineConfig()) -> list[str]:
+    """Each pick's served first line (line mode, the default speculation)."""
+    done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
+                              SpecConfig(draft_model=draft is not None), contexts, retrieval, engine))
+    return [d.text.rstrip() for d in done]
+
+
+def hits(texts: list[str], picks) -> list[bool]:
+    return [t == f.text[cursor:end].rstrip() for t, (f, cursor, end) in zip(texts, picks)]
+
+
 def exact_match(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
                 contexts: list[list[ContextItem]] | None = None, retrieval: bool = True,
                 engine: EngineConfig = EngineConfig()) -> float:
-    """Share of picks whose served completion (line mode, the default
-    speculation) is the rest of the line."""
-    done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
-                              SpecConfig(draft_model=draft is not None), contexts, retrieval, engine))
-    hits = sum(d.text.rstrip() == f.text[cursor:end].rstrip() for d, (f, cursor, end) in zip(done, picks))
-    return hits / len(picks)
+    """Share of picks whose served completion is the rest of the line."""
+    return sum(hits(completions(lm, picks, context_tokens, draft, contexts, retrieval, engine), picks)) / len(picks)
 
 
 def draft_acceptance(target: LoadedModel, draft: LoadedModel, picks, context_tokens: int, k: int,
@@ -176,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument("--sites-json", type=Path,
+                   help="with --context repo: each site's expected line, the three completions, its context files "
+                        "and the retrieved windows (for reading misses)")
     p.add_argument("--context", choices=["none", "repo"], default="none",
                    help="repo: first-line exact match at line starts without and with the context an editor "
                         "would send (the files imported, two of the directory's), whole and retrieved")
@@ -192,32 +205,61 @@ class ContextRow(msgspec.Struct):
     exact_match_retrieved: float  # retrieved windows (model.retrieval = true)
 
 
-def context_rows(args: argparse.Namespace, target: LoadedModel, draft: LoadedModel | None) -> list[ContextRow]:
-    rows = []
+class ContextSite(msgspec.Struct):
+    """One site of `--context repo`, for reading misses (`--sites-json`)."""
+    package: str
+    path: str
+    line: int  # 1-based
+    expected: str
+    none: str
+    whole: str
+    retrieved: str
+    context_files: list[str]
+    windows: list[str]  # the retrieved windows placed, "path:first line", best last
+
+
+def retrieved_windows(lm: LoadedModel, context_tokens: int, f: SourceFile, cursor: int,
+                      context: list[ContextItem]) -> list[str]:
+    """The windows retrieval places for this site (a fresh document's choice, as served)."""
+    state = CompletionPipeline(lm, Config(model=ModelSection(context_tokens=context_tokens))).document(True)
+    state.update(f.text[:cursor], "", f.path, [Snippet(display_path(c.uri) or "", c.text, c.kind) for c in context])
+    return [f"{w.uri}:{w.first_line}" for w in state.retriever.chosen]
+
+
+def context_rows(args: argparse.Namespace, target: LoadedModel,
+                 draft: LoadedModel | None) -> tuple[list[ContextRow], list[ContextSite]]:
+    rows, sites = [], []
     for package in args.package or ["pip"]:
         corpus, files = heldout_files(package, own_code_only=True)
         by_path = {f.path: f for f in files}
         picks = line_starts(files, args.lines, args.seed)
         contexts = [repo_context(f, by_path, package, args.seed) for f, _, _ in picks]
         n = args.context_tokens
-        row = ContextRow(corpus, len(picks), sum(bool(c) for c in contexts),
-                         exact_match(target, picks, n, draft),
-                         exact_match(target, picks, n, draft, contexts, retrieval=False),
-                         exact_match(target, picks, n, draft, contexts, retrieval=True))
+        texts = (completions(target, picks, n, draft),
+                 completions(target, picks, n, draft, contexts, retrieval=False),
+                 completions(target, picks, n, draft, contexts, retrieval=True))
+        none, whole, retrieved = (sum(hits(t, picks)) / len(picks) for t in texts)
+        row = ContextRow(corpus, len(picks), sum(bool(c) for c in contexts), none, whole, retrieved)
         print(f"{row.corpus}: first-line exact match at {row.sites} line starts ({row.with_context} with context "
               f"files): no context {row.exact_match_none:.1%}; files whole {row.exact_match_whole:.1%}; "
               f"retrieved windows {row.exact_match_retrieved:.1%}", flush=True)
         rows.append(row)
-    return rows
+        for (f, cursor, end), context, a, b, c in zip(picks, contexts, *texts):
+            sites.append(ContextSite(package, f.path, f.text.count("\n", 0, cursor) + 1, f.text[cursor:end].rstrip(),
+                                     a, b, c, [display_path(item.uri) or item.uri for item in context],
+                                     retrieved_windows(target, n, f, cursor, context)))
+    return rows, sites
 
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     target, draft = run_in_passing_thread(load_models, args.target, args.draft, args.precision, args.template)
     if args.context == "repo":
-        rows = context_rows(args, target, draft)
+        rows, sites = context_rows(args, target, draft)
         if args.json:
             args.json.write_bytes(msgspec.json.format(msgspec.json.encode(rows)) + b"\n")
+        if args.sites_json:
+            args.sites_json.write_bytes(msgspec.json.format(msgspec.json.encode(sites)) + b"\n")
         return 0
     root, files = heldout_files((args.package or ["pip"])[0])
     picks = line_starts(files, args.lines, args.seed)

@@ -41,6 +41,10 @@ class RequestOptions(msgspec.Struct, frozen=True):
     cache_salt: str = ""  # who may share this request's cached prefix (see server.prefix_cache_scope)
     n: int = 1  # completions wanted (the engine may return fewer)
 
+    @property
+    def priming(self) -> bool:
+        return self.max_tokens == 0  # as SamplingParams.priming, before the defaults apply
+
 
 def display_path(uri: str) -> str | None:
     """`file:///home/me/app/models.py` -> `app/models.py` (the prompt's file

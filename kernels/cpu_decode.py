@@ -122,20 +122,18 @@ def pack_q4_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> to
 
 
 def pack_i8_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """8-bit weights (int8 [N, K];
-    a scale per row [N]) in the VNNI kernel's tiles [N / 16, K / 32, 640]: per
-    tile and block of 32, the rows' fp32 scales, 128 * each row's sum of the
-    block's weights (int32), then 8 vectors of 64 bytes; vector h's 32-bit
-    lane i holds q[i, 4h..4h+3]."""
+    """8-bit weights (int8 [N, K]; a scale per row [N]) in the VNNI kernel's
+    tiles [N / 16, 64 + K / 32 * 512]: per tile the rows' fp32 scales, then per
+    block of 32 8 vectors of 64 bytes; vector h's 32-bit lane i holds
+    q[i, 4h..4h+3] + 128 (unsigned: the activations are the signed side)."""
     N, K = q.shape
     if N % TILE_ROWS or K % QK:
         raise ValueError(f"int8 tiles: {N} x {K} is not a multiple of 16 x 32")
     T, B = N // TILE_ROWS, K // QK
     blocks = q.to(torch.int8).view(T, TILE_ROWS, B, 8, 4)  # tile, row, block, h, c
-    weights = blocks.permute(0, 2, 3, 1, 4).reshape(T, B, 512).view(torch.uint8)
-    offset = (blocks.view(T, TILE_ROWS, B, QK).sum(-1, dtype=torch.int32) * 128).transpose(1, 2).contiguous()
-    scales = scale.float().view(T, 1, TILE_ROWS).expand(T, B, TILE_ROWS).contiguous()
-    return torch.cat((scales.view(torch.uint8), offset.view(torch.uint8), weights), -1).contiguous()
+    weights = (blocks.permute(0, 2, 3, 1, 4).reshape(T, B * 512).view(torch.uint8) ^ 0x80)
+    scales = scale.float().reshape(T, TILE_ROWS).contiguous().view(torch.uint8)
+    return torch.cat((scales, weights), -1).contiguous()
 
 
 def unpack_q4_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

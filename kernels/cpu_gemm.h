@@ -36,27 +36,30 @@ constexpr int PAIR_BYTES = 40;  // two blocks: fp16 d0 d1, fp16 m0 m1, 32 bytes 
 // dpbusd multiplies 4 weights of 16 rows by 4 broadcast activations, so the
 // sums land per output row with no horizontal reduction, and a tile's unpacked
 // weights serve several activation rows (a prefill) from registers.
-// The int8 model's weights take the same tiles, a byte a weight: per block the rows' fp32
-// scales, 128 * each row's sum of the block's weights (int32), then 8 x 64 bytes.
+// The int8 model's weights take the same tiles, a byte a weight (w + 128, unsigned), the
+// rows' fp32 scales once at the tile's start: [n / 16, 64 + k / 32 * 512], 1.0 byte a weight
+// against Q8_0's 1.06.
 constexpr int TILE_ROWS = 16;
 constexpr int TILE_BYTES = 64 + 256;        // per block of a 4-bit tile
-constexpr int I8_TILE_BYTES = 128 + 512;    // per block of an 8-bit tile
+constexpr int I8_TILE_BYTES = 512;          // per block of an 8-bit tile (after the tile's 64 bytes of scales)
 
 enum class Layout { Pairs, Tiles4, Tiles8 };
 
 struct Q4Matrix {
-  const uint8_t* data;  // pairs [n, k / 64, PAIR_BYTES] or tiles [n / 16, k / 32, TILE_BYTES or I8_TILE_BYTES]
+  const uint8_t* data;  // pairs [n, k / 64, PAIR_BYTES], tiles [n / 16, k / 32, TILE_BYTES] or [n / 16, 64 + k / 32 * 512]
   const float* bias;    // [n] or null
   int64_t n, k;
   Layout layout;
 };
 
-// Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x.
-// Or (q8 false) kept in fp32, with the sums.
+// Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x,
+// q128 128 * the sum of qx (what the 8-bit tiles' unsigned weights add). Or (q8 false) kept in
+// fp32, with the sums.
 struct Activations {
   bool q8 = false;
   std::vector<int8_t> q;
   std::vector<float> d, s, f;
+  std::vector<int32_t> q128;
   int64_t m = 0, k = 0;
 
   void quantize(const float* x, int64_t rows, int64_t width) {
@@ -75,6 +78,7 @@ struct Activations {
     }
     q.resize(rows * width);
     d.resize(rows * g);
+    q128.resize(rows * g);
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i < rows * g; ++i) {  // a block is two vectors
@@ -89,6 +93,9 @@ struct Activations {
                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
       d[i] = scale;
       s[i] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      int32_t total = 0;
+      for (int j = 0; j < QK; ++j) total += q[i * QK + j];
+      q128[i] = 128 * total;
     }
 #endif
     for (; i < rows * g; ++i) {
@@ -101,9 +108,11 @@ struct Activations {
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
       int8_t* qb = q.data() + i * QK;
-      for (int j = 0; j < QK; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      int32_t total = 0;
+      for (int j = 0; j < QK; ++j) total += qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
       d[i] = scale;
       s[i] = sum;
+      q128[i] = 128 * total;
     }
   }
 };
@@ -260,24 +269,24 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // R quantized activation rows against one tile (16 weight rows): y[r, 0..15].
 // 4-bit tiles (INT8 false): per block d * dx * sum(q qx) + m * sum(x), q unsigned, qx signed.
-// 8-bit tiles (the int8 model's weights w, |w| <= 63, a scale per row): dpbusd wants one side
-// unsigned, so it multiplies qx + 128 (qx ^ 0x80) by w and each block subtracts 128 * sum(w),
-// stored with the block: per block scale * dx * sum(w qx).
+// 8-bit tiles (the int8 model's weights w, a scale per row): the tile holds w + 128, so a
+// block's sum(w qx) is dpbusd's sum minus 128 * sum(qx) (the activations' q128); the row's
+// scale multiplies once at the end.
 template <bool INT8, int R>
-inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx, const float* sx, int64_t k,
-                         float* y, int64_t y_stride, const float* bias) {
+inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx, const float* sx, const int32_t* q128,
+                         int64_t k, float* y, int64_t y_stride, const float* bias) {
   const int64_t blocks = k / QK;
   const __m512i low_mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512 row_scale = INT8 ? _mm512_loadu_ps(tile) : _mm512_set1_ps(1.f);
+  const uint8_t* first = INT8 ? tile + 64 : tile;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = tile + b * (INT8 ? I8_TILE_BYTES : TILE_BYTES);
+    const uint8_t* block = first + b * (INT8 ? I8_TILE_BYTES : TILE_BYTES);
     __m512 d, m;
-    __m512i w[8], offset;
+    __m512i w[8];
     if constexpr (INT8) {
-      d = _mm512_loadu_ps(block);
-      offset = _mm512_loadu_si512(block + 64);
-      for (int h = 0; h < 8; ++h) w[h] = _mm512_loadu_si512(block + 128 + 64 * h);
+      for (int h = 0; h < 8; ++h) w[h] = _mm512_loadu_si512(block + 64 * h);
     } else {
       d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
       m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
@@ -290,23 +299,24 @@ inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx,
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = qx + r * k + b * QK;
       // two chains of four: a block's integer sum is not one long dependency
-      auto dp = [&](__m512i sum, int h) {
-        return INT8 ? _mm512_dpbusd_epi32(sum, broadcast4(xb + 4 * h), w[h])
-                    : _mm512_dpbusd_epi32(sum, w[h], broadcast4(xb + 4 * h));
-      };
+      auto dp = [&](__m512i sum, int h) { return _mm512_dpbusd_epi32(sum, w[h], broadcast4(xb + 4 * h)); };
       __m512i s0 = dp(zero, 0), s1 = dp(zero, 4);
       for (int h = 1; h < 4; ++h) {
         s0 = dp(s0, h);
         s1 = dp(s1, h + 4);
       }
       __m512i sum = _mm512_add_epi32(s0, s1);
-      if constexpr (INT8) sum = _mm512_sub_epi32(sum, offset);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
-      if constexpr (!INT8) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+      if constexpr (INT8) {
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(q128[r * blocks + b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+      }
     }
   }
   const __m512 bias16 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, _mm512_add_ps(acc[r], bias16));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * y_stride, _mm512_fmadd_ps(acc[r], row_scale, bias16));
 }
 
 // y[m, n] for a tiled matrix: each thread takes runs of tiles, all m rows at once (four at a time
@@ -314,28 +324,22 @@ inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx,
 template <bool INT8>
 void gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
   const int64_t blocks = w.k / QK, tiles = w.n / TILE_ROWS;
-  const int64_t tile_bytes = blocks * (INT8 ? I8_TILE_BYTES : TILE_BYTES);
-  std::vector<int8_t> flipped;  // qx + 128, the unsigned side of the 8-bit tiles' products
-  const int8_t* qx = x.q.data();
-  if constexpr (INT8) {
-    flipped.resize(x.q.size());
-    for (size_t i = 0; i < flipped.size(); ++i) flipped[i] = static_cast<int8_t>(x.q[i] ^ 0x80);
-    qx = flipped.data();
-  }
+  const int64_t tile_bytes = INT8 ? 64 + blocks * I8_TILE_BYTES : blocks * TILE_BYTES;
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * workers.threads()));
   workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w.data + t * tile_bytes;
       const float* bias = w.bias ? w.bias + t * TILE_ROWS : nullptr;
       for (int64_t r = 0; r < x.m;) {
-        const int8_t* q = qx + r * w.k;
+        const int8_t* q = x.q.data() + r * w.k;
         const float *d = x.d.data() + r * blocks, *s = x.s.data() + r * blocks;
+        const int32_t* q128 = x.q128.data() + r * blocks;
         float* out = y + r * w.n + t * TILE_ROWS;
         switch (std::min<int64_t>(4, x.m - r)) {
-          case 4: tile_rows_q8<INT8, 4>(tile, q, d, s, w.k, out, w.n, bias); r += 4; break;
-          case 3: tile_rows_q8<INT8, 3>(tile, q, d, s, w.k, out, w.n, bias); r += 3; break;
-          case 2: tile_rows_q8<INT8, 2>(tile, q, d, s, w.k, out, w.n, bias); r += 2; break;
-          default: tile_rows_q8<INT8, 1>(tile, q, d, s, w.k, out, w.n, bias); r += 1; break;
+          case 4: tile_rows_q8<INT8, 4>(tile, q, d, s, q128, w.k, out, w.n, bias); r += 4; break;
+          case 3: tile_rows_q8<INT8, 3>(tile, q, d, s, q128, w.k, out, w.n, bias); r += 3; break;
+          case 2: tile_rows_q8<INT8, 2>(tile, q, d, s, q128, w.k, out, w.n, bias); r += 2; break;
+          default: tile_rows_q8<INT8, 1>(tile, q, d, s, q128, w.k, out, w.n, bias); r += 1; break;
         }
       }
     }
@@ -415,15 +419,21 @@ inline void i8_gemm(Workers& workers, const float* x, int64_t m, const int8_t* w
 }
 
 inline Q4Matrix matrix(const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed weights: a contiguous uint8 tensor");
+  if (packed.dim() == 2) {  // 8-bit tiles
+    TORCH_CHECK((packed.size(1) - 64) % I8_TILE_BYTES == 0 && packed.size(1) > 64,
+                "8-bit tiles: [n / 16, 64 + k / 32 * 512] bytes");
+    return {packed.data_ptr<uint8_t>(), b, packed.size(0) * TILE_ROWS, (packed.size(1) - 64) / I8_TILE_BYTES * QK,
+            Layout::Tiles8};
+  }
   const int64_t width = packed.dim() == 3 ? packed.size(2) : 0;
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() &&
-              (width == PAIR_BYTES || width == TILE_BYTES || width == I8_TILE_BYTES),
-              "packed weights: a contiguous uint8 [n, k / 64, 40] (4-bit pairs), [n / 16, k / 32, 320] "
-              "(4-bit tiles) or [n / 16, k / 32, 640] (8-bit tiles) tensor");
-  const Layout layout = width == PAIR_BYTES ? Layout::Pairs : width == TILE_BYTES ? Layout::Tiles4 : Layout::Tiles8;
-  const bool tiled = layout != Layout::Pairs;
-  return {packed.data_ptr<uint8_t>(), bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
-          tiled ? packed.size(0) * TILE_ROWS : packed.size(0), packed.size(1) * (tiled ? QK : 64), layout};
+  TORCH_CHECK(width == PAIR_BYTES || width == TILE_BYTES,
+              "packed weights: [n, k / 64, 40] (4-bit pairs), [n / 16, k / 32, 320] (4-bit tiles) or "
+              "[n / 16, 64 + k / 32 * 512] (8-bit tiles) bytes");
+  const bool pairs = width == PAIR_BYTES;
+  return {packed.data_ptr<uint8_t>(), b, pairs ? packed.size(0) : packed.size(0) * TILE_ROWS,
+          packed.size(1) * (pairs ? 64 : QK), pairs ? Layout::Pairs : Layout::Tiles4};
 }
 
 }  // namespace cpu_decode

@@ -80,6 +80,8 @@ COMPLETER_ROWS = {  # name: (precision, fuse, engine settings beside the default
     "bf16": ("bf16", True, {}), "bf16_unfused": ("bf16", False, {}),
     "bf16_compiled": ("bf16", True, {"compile": True}),
     "int8": ("int8", True, {}), "int8_compiled": ("int8", True, {"compile": True}),
+    # _kv_fp16: K/V stored as fp16, as llama.cpp's cache is by default (attention's math stays fp32)
+    "int8_kv_fp16": ("int8", True, {"kv_dtype": "fp16"}), "int4_kv_fp16": ("int4", True, {"kv_dtype": "fp16"}),
     # int4: the fused CPU layer (engine.fused_cpu, 8-bit activations); _fp32_acts: with fp32 activations;
     # _torch: torch's ops, as before the fused layer; _compiled: those through torch.compile
     "int4": ("int4", True, {}), "int4_fp32_acts": ("int4", True, {"fused_cpu_q8": False}),

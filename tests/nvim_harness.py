@@ -140,10 +140,14 @@ class Editor:
             return None
         assert len(marks) == 1, marks
         mark_id, row, col, d = marks[0]
-        first = "".join(chunk[0] for chunk in d.get("virt_text", []))
-        rest = ["".join(chunk[0] for chunk in line) for line in d.get("virt_lines", [])]
+        # The "i/N" of a cycle through candidates is a chunk of its own highlight, not completion text.
+        counter = [c[0] for line in [d.get("virt_text", []), *d.get("virt_lines", [])] for c in line
+                   if len(c) > 1 and c[1] == "CompleterCounter"]
+        text_of = lambda line: "".join(c[0] for c in line if not (len(c) > 1 and c[1] == "CompleterCounter"))  # noqa: E731
+        first = text_of(d.get("virt_text", []))
+        rest = [text_of(line) for line in d.get("virt_lines", [])]
         return {"text": "\n".join([first, *rest]), "row": row, "col": col, "pos": d.get("virt_text_pos"),
-                "id": mark_id}
+                "id": mark_id, "counter": "".join(counter) or None}
 
     def last(self) -> dict | None:
         return self.lua("return require('completer').last_result()")

@@ -58,7 +58,7 @@ def running_server(*settings: str, token: str = TOKEN, timeout: float = 120, por
             if not line:
                 raise RuntimeError("server exited:\n" + "".join(log))
             log.append(line)
-            if m := re.search(r"ws://127\.0\.0\.1:(\d+)/v1/ws", line):
+            if m := re.search(r"wss?://127\.0\.0\.1:(\d+)/v1/ws", line):  # wss: with server.tls_cert
                 port = int(m.group(1))
             if m := re.search(r"compat API .* on https?://127\.0\.0\.1:(\d+)", line):
                 compat = int(m.group(1))

@@ -28,7 +28,7 @@ import torch
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.request import Finished, FinishReason, Request
 from completer.engine.scheduler import Scheduler
-from completer.engine.sequence import Sequence, Status
+from completer.engine.sequence import Sequence
 
 CANDIDATE_ID_SEPARATOR = "\x00candidate-"  # no editor names a request so; a clash skips the candidate
 
@@ -92,9 +92,8 @@ class Candidates:
                 self.kv.free(candidate)
                 break
             candidate.candidate_of, candidate.candidate_rank, candidate.first_token = seq, rank, token
-            candidate.status = Status.PREFILL
             candidate.timings.queue_ms = seq.timings.queue_ms
-            running.append(candidate)
+            self.scheduler.add_forked(candidate)
             self.by_id[request.id] = candidate
             group.running.append(candidate)
 

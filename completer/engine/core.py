@@ -59,9 +59,13 @@ class EngineCore:
         self.kv = kv
         self.tokenizer = tokenizer
         self.config, self.spec = config, spec
-        self.scheduler = Scheduler(config, kv)
-        self.sampler = Sampler(TokenHealer(tokenizer))
         self.output = OutputProcessor(set(stop_ids))
+        self.disagg: RemotePrefillSteps | None = None  # the scheduler's connector to prefill workers
+        if remote is not None:
+            remote.register(self.target.pool)
+            self.disagg = RemotePrefillSteps(remote, kv, self.output, config.prefill_chunk)
+        self.scheduler = Scheduler(config, kv, self.disagg)
+        self.sampler = Sampler(TokenHealer(tokenizer))
         self.policy = SpecPolicy(spec.k_init, spec.k_max, spec.adaptive)
         proposers = []
         if spec.ngram:
@@ -81,11 +85,6 @@ class EngineCore:
         # Set by the engine loop: whether cancels for all these request ids are waiting.
         self.cancelled: Callable[[list[str]], bool] | None = None
         self.passes_interrupted = 0
-        self.disagg: RemotePrefillSteps | None = None
-        if remote is not None:
-            remote.register(self.target.pool)
-            self.disagg = RemotePrefillSteps(remote, kv, self.scheduler, self.output, config.prefill_chunk)
-            self.scheduler.route = self.disagg.route
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -246,10 +245,12 @@ class EngineCore:
         fail, and the blocks of those whose requests ended first return."""
         if self.disagg is None:
             return
-        ready, lost = self.disagg.poll()
+        ready, here, failed = self.disagg.poll()
+        for seq in ready + here:
+            self.scheduler.prefill_here(seq)
         for seq in ready:
             self._start_decoding(seq)
-        for seq in lost:
+        for seq in failed:
             self._drop(seq)
 
     def _step(self) -> list[Event]:
@@ -306,7 +307,7 @@ class EngineCore:
         drafter takes it in when it first drafts, unless priming (which
         fills every pool) or told otherwise (`spec.defer_draft_prefill`)."""
         return role in seq.local_roles() and (  # (a worker may prefill the target's)
-            role == "target" or not self.spec.defer_draft_prefill or seq.params.max_tokens == 0)
+            role == "target" or not self.spec.defer_draft_prefill or seq.params.priming)
 
     def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
         """Up to each sequence's budget more prompt tokens in every pool
@@ -364,13 +365,13 @@ class EngineCore:
         blocks were published as they were computed, so they stay cached."""
         if seq.first_logits is None or seq.kv["target"].computed < seq.prompt_len:
             return
-        if seq.params.max_tokens == 0:
+        if seq.params.priming:
             if seq.prefill_left == 0:
                 seq.first_logits = None
                 self._finish(seq, "length")
             return
         logits, seq.first_logits = seq.first_logits, None
-        seq.status = Status.DECODE
+        self.scheduler.start_decoding(seq)
         after_heal, seq.after_heal_logits = seq.after_heal_logits, None
         if seq.first_token is not None:  # a candidate: its first token was chosen when it was forked
             tokens = [seq.first_token]

@@ -66,6 +66,7 @@ class EngineLive(msgspec.Struct):
     waiting: int = 0
     kv_cache_usage: float = 0.0
     kv_blocks_used: dict[str, int] = {}  # pool ("target", "draft") -> blocks referenced
+    prefill_workers_up: int = 0  # disaggregation: workers connected now
 
 
 class RequestStream:
@@ -213,7 +214,8 @@ class Engine:
         return EngineLive(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
                           kv_cache_usage=core.kv.usage(),
                           kv_blocks_used={role: pool.num_blocks - 1 - pool.num_free
-                                          for role, pool in core.kv.pools.items()})
+                                          for role, pool in core.kv.pools.items()},
+                          prefill_workers_up=core.disagg.remote.workers_up if core.disagg is not None else 0)
 
     def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True,
                affinity: str = "") -> RequestStream:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.output_processor import OutputProcessor
-from completer.engine.scheduler import Scheduler
 from completer.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
@@ -24,32 +23,32 @@ log = logging.getLogger(__name__)
 
 
 class RemotePrefillSteps:
-    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, scheduler: Scheduler, output: OutputProcessor,
-                 prefill_chunk: int):
-        self.remote, self.kv, self.scheduler, self.output = remote, kv, scheduler, output
+    """The scheduler's PrefillConnector for prefill workers."""
+
+    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, output: OutputProcessor, prefill_chunk: int):
+        self.remote, self.kv, self.output = remote, kv, output
         self.prefill_chunk = prefill_chunk
         self.remote_seqs: dict[int, Sequence] = {}  # open job -> the sequence it prefills
         self.held_by_jobs: dict[int, list[int]] = {}  # job -> target blocks of a request that ended first
         self.decode_pass_s = 0.0  # the last decode pass: what each local chunk also waits for
 
-    def route(self, seq: Sequence) -> None:
-        """On admission: this prompt's uncached part to a worker, or not (`disagg.decision`)."""
+    def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """On admission: this prompt's uncached part to a worker (True), or not (`disagg.decision`)."""
         state = seq.kv["target"]
-        running = self.scheduler.running
         local_queued = sum(s.prefill_left for s in running if s.status is Status.PREFILL and s is not seq)
         pass_s = self.decode_pass_s if any(s.status is Status.DECODE for s in running) else 0.0
         decision = self.remote.choose(seq.prompt_len - state.computed, self.prefill_chunk, pass_s, local_queued)
         seq.timings.prefill_reason = decision.reason
         if not decision.remote:
-            return
+            return False
         self.kv.allocate("target", [seq], [seq.tokens[state.computed:]])  # the destination, reserved first
         job = self.remote.start_job(seq.tokens, state.computed, list(state.table), seq.cache_salt)
         if job is None:  # every worker went down meanwhile; the blocks serve the local prefill
             seq.timings.prefill_reason = "no_worker"
-            return
+            return False
         seq.remote_job = job
-        seq.status = Status.REMOTE
         self.remote_seqs[job] = seq
+        return True
 
     def hand_over(self, seq: Sequence) -> None:
         """`seq` ends while its job may still write its target blocks: they
@@ -61,10 +60,11 @@ class RemotePrefillSteps:
         state.table, state.computed, state.chain = [], 0, []
         self.remote.abort(job)
 
-    def poll(self) -> tuple[list[Sequence], list[Sequence]]:
+    def poll(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """The jobs that closed since the last step: (sequences whose target
-        now holds the whole prompt, sequences that failed and must be dropped)."""
-        ready, failed = [], []
+        now holds the whole prompt, sequences to prefill here instead,
+        sequences that failed and must be dropped)."""
+        ready, here, failed = [], [], []
         for closed in self.remote.poll():
             if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
                 self.kv.pools["target"].release(table)
@@ -77,12 +77,11 @@ class RemotePrefillSteps:
                 seq.kv["target"].computed = seq.prompt_len
                 self.kv.publish(seq, "target")
                 seq.timings.prefill = "remote"
-                seq.status = Status.PREFILL
                 seq.first_logits = closed.logits
                 ready.append(seq)
-            elif not self._recompute_here(seq, closed):
-                failed.append(seq)
-        return ready, failed
+            else:
+                (here if self._recompute_here(seq, closed) else failed).append(seq)
+        return ready, here, failed
 
     def _recompute_here(self, seq: Sequence, closed: Closed) -> bool:
         """A job lost (its worker died, stalled or failed): prefill here if the
@@ -100,5 +99,4 @@ class RemotePrefillSteps:
             return False
         log.warning("request %s: %s (%s); prefilling it here instead", seq.id, closed.why,
                     "mid-transfer" if closed.mid_transfer else "before any K/V arrived")
-        seq.status = Status.PREFILL
         return True

@@ -30,6 +30,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     def greedy(self) -> bool:
         return not self.temperature >= GREEDY_BELOW  # NaN is greedy too
 
+    @property
+    def priming(self) -> bool:
+        """Only prefill the prompt into the prefix cache (llama.vim's extra-context priming)."""
+        return self.max_tokens == 0
+
 
 class Request(msgspec.Struct, frozen=True):
     id: str

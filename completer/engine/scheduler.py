@@ -11,7 +11,7 @@ handed back to be finished, here and between a step's passes.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, NamedTuple
+from typing import NamedTuple, Protocol
 
 from completer.engine.config import EngineConfig
 from completer.engine.kv_cache_manager import KVCacheManager
@@ -41,13 +41,25 @@ def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequenc
     return groups
 
 
+class PrefillConnector(Protocol):
+    """Where an admitted prompt may be prefilled instead of here (disaggregation:
+    `remote_prefill.RemotePrefillSteps`)."""
+
+    def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """On admission, before its prefill is planned: True if a worker now
+        prefills its target K/V (the sequence waits in Status.REMOTE)."""
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, route: Callable[[Sequence], None] | None = None):
-        """route: called on each admitted sequence (before its prefill is planned):
-        disaggregation may send its prompt to a worker (Status.REMOTE)."""
+    """The queues, and the one place a sequence's status changes:
+    WAITING -> PREFILL (admitted; or REMOTE, a worker prefills it, then PREFILL)
+    -> DECODE (its first token) -> FINISHED. A request's candidates (`n`)
+    join running in PREFILL through `add_forked`."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: PrefillConnector | None = None):
         self.config = config
         self.kv = kv
-        self.route = route
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -61,6 +73,19 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A candidate forked from a running request (its blocks already admitted)."""
+        seq.status = Status.PREFILL
+        self.running.append(seq)
+
+    def start_decoding(self, seq: Sequence) -> None:
+        seq.status = Status.DECODE
+
+    def prefill_here(self, seq: Sequence) -> None:
+        """A worker's job closed: its K/V arrived (the first token is next), or
+        it was lost and the prompt is prefilled here."""
+        seq.status = Status.PREFILL
 
     def remove(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
@@ -107,5 +132,5 @@ class Scheduler:
             seq.timings.queue_ms = (now - seq.arrival) * 1000
             seq.timings.cached_tokens = seq.kv["target"].computed
             self.running.append(seq)
-            if self.route is not None:
-                self.route(seq)
+            if self.connector is not None and self.connector.admit(seq, self.running):
+                seq.status = Status.REMOTE

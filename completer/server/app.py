@@ -190,11 +190,9 @@ class App:
             engine = self.engine.live()
             live.running, live.waiting = engine.running, engine.waiting
             live.kv_cache_usage, live.kv_blocks_used = engine.kv_cache_usage, engine.kv_blocks_used
-            if self.cluster is not None:
-                if self.cluster.snapshot:  # none while the link to the cluster is down
-                    self.metrics.set_cluster(self.cluster.snapshot)
-            elif self.engine.core.disagg is not None:
-                live.prefill_workers_up = self.engine.core.disagg.remote.workers_up
+            live.prefill_workers_up = engine.prefill_workers_up
+            if self.cluster is not None and self.cluster.snapshot:  # none while the link to the cluster is down
+                self.metrics.set_cluster(self.cluster.snapshot)
         self.metrics.set_live(live)
 
     def unauthorized(self, conn: ServerConnection) -> Response:

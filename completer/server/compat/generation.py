@@ -155,7 +155,7 @@ class CompatEngine:
                                  f"the limit is {limit} (server.max_document_chars)")
         if app.config.server.prefix_cache_scope == "connection":
             options = msgspec.structs.replace(options, cache_salt=client)
-        key = (client, options.max_tokens == 0)
+        key = (client, options.priming)
         # llama.cpp's placement: input_extra chunks in the order sent (llama.vim primes them so, with
         # an empty prefix, and expects the next keystroke to find them cached), not retrieved.
         state = self.documents.pop(key, None) or app.pipeline.document(retrieval=False)
@@ -204,7 +204,7 @@ class CompatEngine:
             raise HttpError(503, "the server is shutting down")
         reason = "limit" if cut else done.reason
         candidates = tuple(c[:indent_end(c, budget.n_indent)] for c in done.candidates)
-        app.metrics.observe_done(done.timings, reason, received, priming=request.params.max_tokens == 0,
+        app.metrics.observe_done(done.timings, reason, received, priming=request.params.priming,
                                  route=route)
         return Outcome(text if cut else done.text, reason, done.timings, candidates, request.params.max_tokens,
                        truncated)

@@ -1,4 +1,5 @@
--- :CompleterStatus, :CompleterToggle, :CompleterEnable, :CompleterDisable.
+-- :CompleterStatus, :CompleterToggle, :CompleterEnable, :CompleterDisable,
+-- :CompleterSuggest, :CompleterNext, :CompleterPrev, :CompleterSnooze.
 -- Completion itself starts with require('completer').setup() (:help completer).
 if vim.g.loaded_completer or vim.fn.has('nvim-0.7') == 0 then
   return
@@ -20,6 +21,11 @@ local function status_text()
   if st.error and st.state ~= 'open' then parts[#parts + 1] = 'last error: ' .. st.error end
   if st.retry_in_ms then parts[#parts + 1] = ('next try in %.1f s'):format(st.retry_in_ms / 1000) end
   if st.token_source then parts[#parts + 1] = 'token: ' .. st.token_source end
+  if st.snoozed_min then
+    parts[#parts + 1] = ('snoozed: no automatic completions for %d more min (:CompleterSnooze 0 ends it)')
+      :format(math.ceil(st.snoozed_min))
+  end
+  if st.trigger == 'manual' then parts[#parts + 1] = 'trigger manual: completions only on :CompleterSuggest' end
   local c = st.counts
   parts[#parts + 1] = ('requests %d, shown %d, accepted %d, typed through %d chars, dismissed %d'):format(c.sent,
     c.shown, c.accepted, c.typed, c.dismissed)
@@ -57,3 +63,27 @@ end, { desc = 'completer: enable completions' })
 vim.api.nvim_create_user_command('CompleterDisable', function()
   require('completer').disable()
 end, { desc = 'completer: disable completions' })
+
+-- From insert mode through <Cmd> (`inoremap <M-\> <Cmd>CompleterSuggest<CR>`):
+-- typed on the command line they find no insert mode to complete in.
+vim.api.nvim_create_user_command('CompleterSuggest', function()
+  require('completer').suggest()
+end, { desc = 'completer: ask for a completion here now' })
+
+vim.api.nvim_create_user_command('CompleterNext', function()
+  require('completer').next()
+end, { desc = 'completer: the next candidate' })
+
+vim.api.nvim_create_user_command('CompleterPrev', function()
+  require('completer').prev()
+end, { desc = 'completer: the previous candidate' })
+
+vim.api.nvim_create_user_command('CompleterSnooze', function(args)
+  local minutes = args.args ~= '' and tonumber(args.args) or 15
+  if not minutes then
+    return vim.api.nvim_echo({ { 'completer: :CompleterSnooze [minutes], 0 ends a snooze', 'ErrorMsg' } }, false, {})
+  end
+  require('completer').snooze(minutes)
+  vim.api.nvim_echo({ { minutes > 0 and ('completer: snoozed for %g min'):format(minutes)
+    or 'completer: snooze ended' } }, false, {})
+end, { nargs = '?', desc = 'completer: no automatic completions for N minutes (default 15; 0 ends it)' })

@@ -59,7 +59,7 @@ function M._accepted()
     ghost.clear()
     core.cancel(req)
     core.finish(req)
-    if a.kind == 'all' and S.enabled and core.allowed(snap.buf) and S.client:is_open() then
+    if a.kind == 'all' and S.enabled and core.automatic() and core.allowed(snap.buf) and S.client:is_open() then
       -- The user just paused to accept: no debounce; ask for here at once
       -- (unless cached), then for the line Enter would open.
       local t = core.now()

@@ -70,9 +70,6 @@ end
 
 function Client:_connect()
   local url, err = config.parse_url(self.cfg.url)
-  if url and url.scheme == 'wss' then
-    url, err = nil, 'wss:// is not supported by the Neovim client; use ws:// (e.g. over an SSH tunnel)'
-  end
   if not url then
     self.last_error = err
     return
@@ -91,6 +88,7 @@ function Client:_connect()
   conn = websocket.connect({
     host = url.host, port = url.port, path = path, headers = headers,
     timeout_ms = self.cfg.connect_timeout_ms,
+    tls = url.scheme == 'wss' and { openssl = self.cfg.openssl, ca_file = self.cfg.tls_ca_file } or nil,
   }, {
     on_open = function()
       if self.conn ~= conn then return end
@@ -124,6 +122,11 @@ function Client:_connect()
           self.warned_auth = true
           vim.notify('completer: ' .. self.last_error .. '; see :help completer-token', vim.log.levels.WARN)
         end
+      end
+      local tls_problem = cerr and (cerr:find('^TLS:') or cerr:find('^wss:// needs'))
+      if tls_problem and not self.warned_tls then -- as for the token: once, not on every retry
+        self.warned_tls = true
+        vim.notify('completer: ' .. cerr, vim.log.levels.WARN)
       end
       if was_open then self.h.on_disconnect() end
       self:_schedule_retry()

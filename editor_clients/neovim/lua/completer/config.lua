@@ -19,11 +19,16 @@ M.SECRETS = {
 }
 
 M.defaults = {
-  url = 'ws://127.0.0.1:8750/v1/ws', -- the server's WebSocket endpoint (ws:// only)
+  url = 'ws://127.0.0.1:8750/v1/ws', -- the server's WebSocket endpoint (ws://, or wss:// through openssl)
+  tls_ca_file = nil, -- wss://: a PEM file of the CAs to trust (nil: the system's)
+  openssl = 'openssl', -- wss://: the openssl command that carries the TLS (Neovim's libuv has none)
   token = nil, -- bearer token; nil: $COMPLETER_TOKEN, then token_file
   token_file = nil, -- nil: $XDG_CONFIG_HOME/completer/token or ~/.config/completer/token
   token_in_query = false, -- send ?token= instead of the Authorization header
   enabled = true, -- start enabled (:CompleterToggle flips it)
+  trigger = 'auto', -- 'auto': ask after a pause in typing; 'manual': only on :CompleterSuggest or keymaps.suggest
+  candidates = 4, -- completions a cycle key asks for (the shown one included; 2 to 4; 1: cycling off)
+  exclude_gitignored = false, -- true: send nothing of a file `git check-ignore` says is ignored
   debounce_ms = nil, -- a number: fixed wait after a keystroke; nil: adaptive, within the two below
   debounce_min_ms = 10,
   debounce_max_ms = 200,
@@ -55,6 +60,9 @@ M.defaults = {
     accept_word = '<M-Right>',
     accept_line = '<M-C-Right>',
     dismiss = '<C-]>',
+    next = '<M-]>', -- the next candidate (asked for on the first press)
+    prev = '<M-[>', -- the previous candidate
+    suggest = '<M-\\>', -- ask for a completion here now (the key of 'manual' trigger)
   },
   hl_group = 'CompleterGhost', -- linked to Comment unless defined
   reconnect_min_ms = 250, -- first reconnect delay; doubles up to reconnect_max_ms
@@ -68,7 +76,7 @@ M.defaults = {
 
 -- Options whose default is nil, with the type they take.
 local OPTIONAL = {
-  token = 'string', token_file = 'string', debounce_ms = 'number', max_tokens = 'number', temperature = 'number',
+  token = 'string', token_file = 'string', tls_ca_file = 'string', debounce_ms = 'number', max_tokens = 'number', temperature = 'number',
   deadline_ms = 'number', stop = 'table', include = 'table',
   request_timeout_ms = 'number', -- give a request up this long after it was sent (nil: its deadline plus the margin)
 }
@@ -90,6 +98,7 @@ local function merge(base, over)
 end
 
 local MODES = { auto = true, line = true, block = true, free = true }
+local TRIGGERS = { auto = true, manual = true }
 
 local function check(name, value, want)
   if type(value) ~= want then
@@ -129,6 +138,8 @@ function M.build(opts)
   if not MODES[cfg.mode] then
     error("completer: option mode must be 'auto', 'line', 'block' or 'free'", 3)
   end
+  if not TRIGGERS[cfg.trigger] then error("completer: option trigger must be 'auto' or 'manual'", 3) end
+  if cfg.candidates < 1 or cfg.candidates > 4 then error('completer: option candidates must be 1 to 4', 3) end
   if cfg.keymaps == false then cfg.keymaps = {} end
   return cfg
 end
@@ -146,7 +157,7 @@ end
 --- { scheme, host, port, path } of a ws:// URL, or nil and a message.
 function M.parse_url(url)
   local scheme, rest = url:match('^(wss?)://(.+)$')
-  if not scheme then return nil, 'not a ws:// URL: ' .. url end
+  if not scheme then return nil, 'not a ws:// or wss:// URL: ' .. url end
   local authority, path = rest:match('^([^/?]+)(.*)$')
   if not authority then return nil, 'no host in ' .. url end
   local host, port = authority:match('^%[(.+)%]:?(%d*)$')

@@ -23,6 +23,7 @@ local S = {
   counts = { sent = 0, shown = 0, accepted = 0, dismissed = 0, typed = 0, cache_hits = 0, primed = 0,
     speculative = 0, timeouts = 0, prompt_tokens = 0, cached_tokens = 0 },
   primed = {}, -- buf -> the state last primed
+  snooze_until = nil, -- wall-clock ms until which no request is automatic (:CompleterSnooze)
 }
 M.S = S
 
@@ -48,16 +49,46 @@ function M.remaining(req) return req.text:sub(req.consumed + 1) end
 
 function M.allowed(buf) return privacy.completes(buf, S.cfg) end
 
---- True while a popup menu is open (the built-in one, or nvim-cmp's): ghost
---- text would fight it for the same keys and the same space.
-function M.pum_open()
-  if vim.fn.pumvisible() == 1 then return true end
-  local cmp = package.loaded.cmp
-  if cmp and type(cmp.visible) == 'function' then
-    local ok, v = pcall(cmp.visible)
+--- Wall-clock milliseconds (a snooze counts the time the machine slept).
+function M.wall_ms()
+  local s, us = uv.gettimeofday()
+  return s * 1000 + us / 1000
+end
+
+--- Minutes left of a snooze (nil when not snoozed).
+function M.snoozed()
+  local t = S.snooze_until
+  if t and M.wall_ms() < t then return (t - M.wall_ms()) / 60000 end
+  S.snooze_until = nil
+end
+
+--- True when completions are asked for without being asked: trigger
+--- 'auto' and not snoozed. Otherwise only :CompleterSuggest (or its key)
+--- and the cycle keys ask; nothing is primed or asked for ahead either.
+function M.automatic()
+  return S.cfg.trigger ~= 'manual' and not M.snoozed()
+end
+
+-- Ask a completion plugin's `fn` (a function of the module, if it has it)
+-- whether its menu is open; any failure is "no".
+local function asks(mod, fn)
+  if type(mod) == 'table' and type(mod[fn]) == 'function' then
+    local ok, v = pcall(mod[fn])
     return ok and v == true
   end
   return false
+end
+
+--- True while a popup menu is open (the built-in one, nvim-cmp's or
+--- blink.cmp's): ghost text would fight it for the same keys and the same
+--- space. The plugins are looked at only if loaded (never loaded from here).
+function M.pum_open()
+  if vim.fn.pumvisible() == 1 then return true end
+  if asks(package.loaded.cmp, 'visible') then return true end
+  local blink = package.loaded['blink.cmp']
+  -- is_menu_visible (newer blink.cmp) is the menu alone; is_visible also
+  -- counts its own ghost text, which is as much in the way.
+  return asks(blink, 'is_menu_visible') or asks(blink, 'is_visible')
 end
 
 -- Whether `req` still applies at `snap`: the user has only typed (or
@@ -87,7 +118,9 @@ function M.render(req, snap)
   if S.cfg.hide_during_pum and M.pum_open() then return ghost.clear() end
   local rest = M.remaining(req)
   if rest == '' then return ghost.clear() end
-  if ghost.show(snap.buf, snap.row, snap.col, rest, S.cfg.hl_group) and not req.t_shown then
+  local c = req.cycle
+  local counter = c and c.alts and (' %d/%d'):format(c.i, #c.alts) or nil -- candidate i of N
+  if ghost.show(snap.buf, snap.row, snap.col, rest, S.cfg.hl_group, counter) and not req.t_shown then
     req.t_shown = now()
     if req.kind ~= 'cache' then S.counts.shown = S.counts.shown + 1 end
     note_show(req.kind, req.t_key, req.t_shown)
@@ -113,6 +146,8 @@ end
 -- counts finished completions): how much was accepted with the keys, how
 -- much typed through, and whether it was ever drawn.
 function M.finish(req)
+  -- (First: a completion from the cache owes no feedback, its cycle's request does.)
+  if req.cycle then require('completer.cycle').settle(req) end
   if req.finished or req.kind == 'prime' or req.kind == 'cache' then return end
   if not req.done then
     req.finish_pending = true
@@ -127,7 +162,7 @@ function M.finish(req)
     if req.accepted == 0 and typed == 0 then S.counts.dismissed = S.counts.dismissed + 1 end
   end
   S.client:send({ type = 'feedback', id = req.id, accepted_chars = req.accepted, typed_chars = typed,
-    shown = req.t_shown ~= nil })
+    shown = req.t_shown ~= nil, candidate = req.candidate }) -- (candidate: which of an `n` request's texts)
 end
 
 --- Hide the ghost text, cancel its request if still running, report feedback.
@@ -215,7 +250,7 @@ function M.wait_ms(uri)
   return deadline + c.request_timeout_margin_ms
 end
 
-local function send(kind, doc_snap, snap, extra_prefix)
+local function send(kind, doc_snap, snap, extra_prefix, n)
   local c = S.cfg
   local req = new_request(kind, snap)
   local doc, first, last = text.document(doc_snap.buf, doc_snap.row, doc_snap.col, c.max_lines)
@@ -226,11 +261,12 @@ local function send(kind, doc_snap, snap, extra_prefix)
     max_tokens = c.max_tokens, temperature = c.temperature, deadline_ms = c.deadline_ms,
     stop = (c.stop and #c.stop > 0) and c.stop or nil, context = #context > 0 and context or nil,
     workspace = S.definitions.workspace(doc_snap.buf),
+    n = (n and n > 1) and n or nil,
   }
-  req.uri = doc.uri
+  req.uri, req.n = doc.uri, msg.n
   if kind == 'prime' then
     msg.max_tokens = 0
-  elseif kind == 'spec' then
+  elseif kind == 'spec' or kind == 'cycle' then
     msg.supersede = false -- the request for where the cursor is goes on
   else
     for _, r in pairs(S.requests) do
@@ -248,9 +284,12 @@ local function send(kind, doc_snap, snap, extra_prefix)
   return req
 end
 
---- Send a completion request for where the cursor is now (no debounce).
-function M.request_now(snap, t_key)
-  local req = send('complete', snap, snap)
+M.send = send
+
+--- Send a completion request for where the cursor is now (no debounce);
+--- `n` > 1 asks for that many candidates to cycle through.
+function M.request_now(snap, t_key, n)
+  local req = send('complete', snap, snap, nil, n)
   if not req then return end
   S.counts.sent = S.counts.sent + 1
   req.t_key, req.t_trigger = t_key, now()
@@ -263,7 +302,7 @@ end
 function M.trigger()
   local pending = S.pending_key
   S.pending_key = nil
-  if not S.enabled or not M.in_insert() then return end
+  if not S.enabled or not M.in_insert() or not M.automatic() then return end
   local snap = snapshot()
   if M.state_key(snap) ~= pending or not M.allowed(snap.buf) then return end
   if not S.client:is_open() then return S.client:ensure() end
@@ -275,7 +314,8 @@ end
 -- the request for where the cursor is (supersede false, so it is sent after
 -- that one), and keep the answer in the cache, where Enter finds it.
 function M.speculate(snap)
-  if not S.cfg.speculative or S.cfg.cache_size <= 0 or snap.after ~= '' or not S.client:is_open() then return end
+  if not S.cfg.speculative or S.cfg.cache_size <= 0 or snap.after ~= '' or not S.client:is_open()
+    or not M.automatic() then return end
   local next_snap = text.after_enter(snap)
   if S.cache:peek(text.key(next_snap)) then return end
   M.drop_spec()
@@ -334,7 +374,8 @@ end
 --- opened or entered): a request with max_tokens 0, whose prompt (the same
 --- document and context the next completion will send) the server keeps.
 function M.prime(buf)
-  if not (S.enabled and S.cfg.prime and S.client and S.client:is_open()) or S.prime_unsupported then return end
+  if not (S.enabled and S.cfg.prime and S.client and S.client:is_open()) or S.prime_unsupported
+    or not M.automatic() then return end
   -- An unnamed buffer has nothing worth warming yet (and no file to return to).
   if buf ~= api.nvim_get_current_buf() or api.nvim_buf_get_name(buf) == '' or not M.allowed(buf) then return end
   local snap = snapshot()
@@ -376,7 +417,8 @@ function M.on_edit(entering)
   end
   S.timer:stop()
   S.pending_key = nil
-  if not M.allowed(snap.buf) or M.serve(snap, t_key) then return end
+  -- (Manual or snoozed: not even the cache shows a suggestion unasked.)
+  if not M.allowed(snap.buf) or not M.automatic() or M.serve(snap, t_key) then return end
   S.pending_key, S.pending_key_ns = skey, t_key
   local delay = S.cfg.debounce_ms or S.debounce:delay()
   uv.update_time() -- the loop's clock may be stale: the debounce counts from now

@@ -28,7 +28,13 @@ function M.position(col, line_len)
   return 'eol'
 end
 
-function M.show(buf, row, col, text, hl)
+M.COUNTER_HL = 'CompleterCounter'
+
+--- Show `text` at (row, col); `counter` (optional, ' 2/3': which candidate
+--- this is) goes after its last line, in its own highlight, in the same
+--- extmark (a second one at the line's end would overlap the overlay that
+--- Neovim before 0.10 draws there).
+function M.show(buf, row, col, text, hl, counter)
   local lines = M.split(text)
   local ts = vim.bo[buf].tabstop
   local line = api.nvim_buf_get_lines(buf, row, row + 1, false)[1] or ''
@@ -49,6 +55,14 @@ function M.show(buf, row, col, text, hl)
       virt_lines[#virt_lines + 1] = { { expand_tabs(lines[i], ts), hl } }
     end
     opts.virt_lines = virt_lines
+  end
+  if counter then
+    local last = opts.virt_lines and opts.virt_lines[#opts.virt_lines] or opts.virt_text
+    if last then
+      table.insert(last, { counter, M.COUNTER_HL })
+    else -- a first line of nothing but a line break
+      opts.virt_text, opts.virt_text_pos = { { counter, M.COUNTER_HL } }, M.position(col, #line)
+    end
   end
   local ok, id = pcall(api.nvim_buf_set_extmark, buf, M.ns, row, col, opts)
   if not ok then

@@ -45,6 +45,28 @@ local function healthz(host, port, timeout_ms)
   return nil, err or (over and 'no answer' or ('no answer within ' .. timeout_ms .. ' ms'))
 end
 
+-- The same over TLS, through `openssl s_client` as the plugin connects (its
+-- certificate checks included): the status line, or nil and why.
+local function healthz_tls(url, cfg, timeout_ms)
+  local args = require('completer.websocket').openssl_args(url.host, url.port, cfg.tls_ca_file)
+  local out, err = {}, {}
+  local ok, job = pcall(vim.fn.jobstart, vim.list_extend({ cfg.openssl }, args), {
+    on_stdout = function(_, data) vim.list_extend(out, data) end,
+    on_stderr = function(_, data) vim.list_extend(err, data) end,
+  })
+  if not ok or job <= 0 then return nil, cfg.openssl .. ' cannot run' end
+  vim.fn.chansend(job, ('GET /healthz HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n'):format(url.host,
+    url.port))
+  local code = vim.fn.jobwait({ job }, timeout_ms)[1]
+  if code == -1 then vim.fn.jobstop(job) end
+  local status = table.concat(out, '\n'):match('^HTTP/1%.%d (%d+[^\r\n]*)')
+  if status then return status end
+  local e = table.concat(err, ' ')
+  local verify = e:match('verify error:num=%d+:([^\r\n]-) ') or e:match('verify error:num=%d+:(.*)')
+  if verify then return nil, 'the certificate did not verify: ' .. verify end
+  return nil, code == -1 and ('no answer within ' .. timeout_ms .. ' ms') or ('openssl: ' .. vim.trim(e))
+end
+
 function M.check()
   local r = reporter()
   local config = require('completer.config')
@@ -74,10 +96,17 @@ function M.check()
     if #unknown > 0 then
       r.warn('unknown options (ignored): ' .. table.concat(unknown, ', '), { ':help completer-options' })
     end
-    r.info(('%s; %d excluded path globs; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
-      #require('completer.privacy').excluded_globs(cfg), cfg.context.enabled and 'on' or 'off'))
+    r.info(('%s; %d excluded path globs%s; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
+      #require('completer.privacy').excluded_globs(cfg), cfg.exclude_gitignored and ' and files git ignores' or '',
+      cfg.context.enabled and 'on' or 'off'))
     if cfg.exclude_sensitive_files == false then
       r.warn('exclude_sensitive_files = false: .env files, keys and credentials may be sent to the server')
+    end
+    local snoozed = completer.snoozed()
+    if cfg.trigger == 'manual' then
+      r.info('trigger manual: completions only on :CompleterSuggest or keymaps.suggest')
+    elseif snoozed then
+      r.info(('snoozed for %d more min (:CompleterSnooze 0 ends it)'):format(math.ceil(snoozed)))
     end
   end
 
@@ -92,8 +121,20 @@ function M.check()
   r.start('completer: server')
   local url, err = config.parse_url(cfg.url)
   if not url then return r.error(err) end
-  if url.scheme == 'wss' then r.error('wss:// is not supported; use ws:// (e.g. over an SSH tunnel)') end
-  local status, why = healthz(url.host, url.port, 2000)
+  local status, why
+  if url.scheme == 'wss' then
+    if vim.fn.executable(cfg.openssl) == 1 then
+      r.ok(('wss://: TLS through %s, certificates checked against %s'):format(vim.fn.exepath(cfg.openssl),
+        cfg.tls_ca_file or "the system's CAs"))
+      status, why = healthz_tls(url, cfg, 3000)
+    else
+      r.error(('wss:// needs the openssl command, and %s is not found'):format(cfg.openssl),
+        { 'Install OpenSSL, set the openssl option to its path, or use ws:// over an SSH tunnel' })
+      return
+    end
+  else
+    status, why = healthz(url.host, url.port, 2000)
+  end
   if not status then
     r.error(('%s does not answer: %s'):format(cfg.url, tostring(why)), { 'Start it: completer serve' })
   elseif status:match('^200') then

@@ -11,12 +11,19 @@ local last = false
 vim.g.completer_generating = false
 local with_data = vim.fn.has('nvim-0.8') == 1
 
---- Whether the completion the user waits for is being generated now.
+local function in_flight(S, req)
+  return req.done == nil and not req.cancel_sent and S.requests[req.id] == req
+end
+
+--- Whether the completion the user waits for is being generated now: the
+--- one shown (or to be), or the candidates a cycle key asked for beside it.
 function M.generating()
   local S = require('completer.core').S
   local req = S.req
-  return req ~= nil and req.done == nil and not req.cancel_sent and (req.kind == 'complete' or req.kind == 'spec')
-    and S.requests[req.id] == req
+  if req == nil then return false end
+  if (req.kind == 'complete' or req.kind == 'spec') and in_flight(S, req) then return true end
+  local c = req.cycle
+  return c ~= nil and c.req ~= nil and in_flight(S, c.req)
 end
 
 --- Look again; on a change, tell the user's statusline and autocommands.

@@ -36,9 +36,11 @@ function M.accept() return accept('accept') end
 function M.accept_word() return accept('accept_word') end
 function M.accept_line() return accept('accept_line') end
 
---- Ask for a completion here now, without the debounce.
+--- Ask for a completion here now, without the debounce (:CompleterSuggest,
+--- keymaps.suggest; with trigger 'manual' the only way to get one).
 function M.complete()
-  if not S.enabled or not core.in_insert() or not S.client:is_open() then return end
+  if not S.cfg or not S.enabled or not core.in_insert() then return end
+  if not S.client:is_open() then return S.client:ensure() end
   local snap = core.snapshot()
   if not core.allowed(snap.buf) then return end
   core.dismiss()
@@ -46,6 +48,33 @@ function M.complete()
   S.pending_key = nil
   core.request_now(snap, uv.hrtime())
 end
+
+M.suggest = M.complete
+
+--- Show the next candidate (the first time: ask for them); with nothing
+--- shown, ask for a completion with candidates here.
+function M.next() require('completer.cycle').cycle(1) end
+--- Show the previous candidate.
+function M.prev() require('completer.cycle').cycle(-1) end
+
+--- No automatic completions for `minutes` (default 15; 0 ends a snooze).
+--- Asking (:CompleterSuggest, the cycle keys) still works meanwhile.
+function M.snooze(minutes)
+  if not S.cfg then return end
+  minutes = tonumber(minutes) or 15
+  if minutes <= 0 then
+    S.snooze_until = nil
+    return
+  end
+  S.snooze_until = core.wall_ms() + minutes * 60000
+  S.timer:stop()
+  S.pending_key = nil
+  core.dismiss()
+  core.drop_spec()
+end
+
+--- Minutes of snooze left, or nil.
+function M.snoozed() return S.cfg and core.snoozed() or nil end
 
 function M.enable()
   if not S.cfg then return M.setup({ enabled = true }) end
@@ -75,6 +104,7 @@ function M.status()
   if not S.client then return { state = 'not set up' } end
   local st = S.client:status()
   st.enabled, st.counts = S.enabled, vim.deepcopy(S.counts)
+  st.trigger, st.snoozed_min = S.cfg.trigger, core.snoozed()
   local n = #S.latency
   st.last_latency = n > 0 and S.latency[n] or nil
   st.debounce = S.debounce:state()
@@ -84,7 +114,8 @@ end
 
 --- A short word for a statusline: 'off', 'offline', 'excluded' (this
 --- buffer is not sent), 'generating' (the server is generating the
---- completion asked for) or 'ready'; with the prefix given (default
+--- completion asked for), 'snoozed 14m' (:CompleterSnooze, minutes left),
+--- 'manual' (trigger 'manual') or 'ready'; with the prefix given (default
 --- 'completer: ').
 function M.statusline(prefix)
   prefix = prefix or 'completer: '
@@ -92,6 +123,9 @@ function M.statusline(prefix)
   if not S.client:is_open() then return prefix .. 'offline' end
   if not core.allowed(api.nvim_get_current_buf()) then return prefix .. 'excluded' end
   if indicator.generating() then return prefix .. 'generating' end
+  local snoozed = core.snoozed()
+  if snoozed then return prefix .. ('snoozed %dm'):format(math.ceil(snoozed)) end
+  if S.cfg.trigger == 'manual' then return prefix .. 'manual' end
   return prefix .. 'ready'
 end
 
@@ -114,8 +148,9 @@ function M.results() return S.results end
 --- The request shown now: id, text, consumed (bytes typed or accepted), done; nil if none.
 function M.current()
   local r = S.req
+  local c = r and r.cycle
   return r and { id = r.id, kind = r.kind, text = r.text, consumed = r.consumed, done = r.done ~= nil,
-    shown = r.t_shown ~= nil }
+    shown = r.t_shown ~= nil, index = c and c.alts and c.i or nil, count = c and c.alts and #c.alts or nil }
 end
 --- The completion text shown now (nil when none).
 function M.ghost_text() return ghost.text() end
@@ -184,6 +219,14 @@ local function autocmds()
     if S.cfg.hide_during_pum then ghost.clear() end
   end)
   au('CompleteDone', function() vim.schedule(function() if core.in_insert() then core.refresh() end end) end)
+  -- blink.cmp draws its own menu too and says so with User events; an
+  -- autocommand needs nothing of it loaded (it may load after setup()).
+  api.nvim_create_autocmd('User', { group = group, pattern = 'BlinkCmpMenuOpen', callback = function()
+    if S.cfg.hide_during_pum then ghost.clear() end
+  end })
+  api.nvim_create_autocmd('User', { group = group, pattern = 'BlinkCmpMenuClose', callback = function()
+    vim.schedule(function() if core.in_insert() then core.refresh() end end)
+  end })
   au('VimLeavePre', function() S.client:stop() end)
   -- nvim-cmp draws its own menu (no CompleteChanged) and says when instead;
   -- only if it is loaded already (requiring it here would load it early).
@@ -197,7 +240,10 @@ local function autocmds()
       end)
     end)
   end
-  au('ColorScheme', function() vim.cmd('highlight default link ' .. S.cfg.hl_group .. ' Comment') end)
+  au('ColorScheme', function()
+    vim.cmd('highlight default link ' .. S.cfg.hl_group .. ' Comment')
+    vim.cmd('highlight default link ' .. ghost.COUNTER_HL .. ' ' .. S.cfg.hl_group)
+  end)
 end
 
 function M.setup(opts)
@@ -215,11 +261,13 @@ function M.setup(opts)
   S.context = Context.new(cfg)
   S.definitions = Definitions.new(cfg)
   S.primed = {}
+  privacy.forget_ignored() -- (.gitignore files may have changed)
   S.client = Client.new(cfg, {
     on_message = replies.on_message, on_disconnect = replies.on_disconnect,
     on_open = function() vim.schedule(function() core.prime(api.nvim_get_current_buf()) end) end,
   })
   vim.cmd('highlight default link ' .. cfg.hl_group .. ' Comment')
+  vim.cmd('highlight default link ' .. ghost.COUNTER_HL .. ' ' .. cfg.hl_group)
   autocmds()
   vim.on_key(function() S.last_key_ns = uv.hrtime() end, ghost.ns)
   keymaps.define_plugs()

@@ -2,8 +2,9 @@
 -- context for another one: not special buffers, not filetypes switched off,
 -- not files whose path matches a secrets glob (config.SECRETS: .env, keys,
 -- certificates, credentials; unless exclude_sensitive_files is false) or an
--- `exclude` glob, only those matching `include` when it is set, and not a
--- buffer whose b:completer_enabled is false.
+-- `exclude` glob, only those matching `include` when it is set, not a buffer
+-- whose b:completer_enabled is false, and, with `exclude_gitignored`, not a
+-- file git ignores.
 local config = require('completer.config')
 local api = vim.api
 
@@ -28,6 +29,33 @@ function M.match(glob, path)
   local subject = glob:find('/', 1, true) and path or vim.fn.fnamemodify(path, ':t')
   return regex(glob):match_str(subject) ~= nil
 end
+
+-- path -> true/false: what `git check-ignore` said. blocked() runs on every
+-- keystroke, git takes milliseconds: each path is asked about once (until
+-- setup() or M.forget_ignored()).
+local ignored = {}
+
+--- Whether git ignores the file at `path` (absolute). No git, no repository,
+--- or any other failure: not ignored (the option narrows, it never blocks
+--- everything because git is missing).
+function M.git_ignored(path)
+  local known = ignored[path]
+  if known ~= nil then return known end
+  local result = false
+  if vim.fn.executable('git') == 1 then
+    local dir = vim.fn.fnamemodify(path, ':h')
+    if vim.fn.isdirectory(dir) == 1 then
+      -- -q: exit 0 when ignored, 1 when not, 128 outside a repository. A
+      -- list, not a string: no shell, any character in the path is safe.
+      vim.fn.system({ 'git', '-C', dir, 'check-ignore', '-q', '--', path })
+      result = vim.v.shell_error == 0
+    end
+  end
+  ignored[path] = result
+  return result
+end
+
+function M.forget_ignored() ignored = {} end
 
 local function any(globs, path)
   for _, g in ipairs(globs or {}) do
@@ -59,6 +87,7 @@ function M.blocked(buf, cfg)
     local g = M.excluded(path, cfg)
     if g then return 'excluded by ' .. g end
     if cfg.include and #cfg.include > 0 and not any(cfg.include, path) then return 'not in include' end
+    if cfg.exclude_gitignored and M.git_ignored(path) then return 'ignored by git' end
   end
   return nil
 end

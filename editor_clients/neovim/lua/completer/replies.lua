@@ -35,7 +35,8 @@ local function ended(req, msg)
   S.requests[req.id] = nil
   req.done = msg
   table.insert(S.results, { id = req.id, kind = req.kind, type = msg.type, text = msg.text, reason = msg.reason,
-    code = msg.code, deltas = req.deltas, timings = msg.timings, shown = req.t_shown ~= nil,
+    code = msg.code, deltas = req.deltas, timings = msg.timings, shown = req.t_shown ~= nil, n = req.n,
+    candidates = type(msg.candidates) == 'table' and msg.candidates or nil,
     cancel_sent = req.cancel_sent == true })
   if #S.results > 50 then table.remove(S.results, 1) end
   if S.spec == req and msg.type ~= 'done' then S.spec = nil end
@@ -61,8 +62,10 @@ function M.on_message(msg, recv_ns)
         S.cache:put(req.key, msg.text, req)
       end
     end
+    if req.n then require('completer.cycle').on_done(req, msg) end -- asked with candidates: the cycle's texts
     if S.req == req then core.refresh() end
-    if req.finish_pending or (S.req ~= req and S.spec ~= req) then core.finish(req) end
+    -- (A cycle's request is finished with the completion it was asked for.)
+    if req.finish_pending or (S.req ~= req and S.spec ~= req and not req.parent) then core.finish(req) end
     indicator.update()
   end
 end
