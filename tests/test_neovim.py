@@ -1267,3 +1267,21 @@ def test_generating_indicator_on_and_off(server, editor, tmp_path):
         assert "No matching autocommands" not in editor.messages()
     finally:
         proxy.close()
+
+
+def test_generating_while_a_cycle_key_asks_for_candidates(server, editor, tmp_path):
+    """A cycle key's request for candidates beside the completion shown counts as generating too."""
+    setup(editor, server, mode="line", max_tokens=16, prime=False, speculative=False)
+    capture(editor)
+    start_typing(editor, tmp_path / "cg.py")
+    type_until_completion(editor, "retur")
+    idle(editor)
+    editor.lua(GENERATING)
+    assert not editor.lua("return require('completer').generating()")
+    n0 = len(sent(editor))
+    editor.nvim.input("<M-]>")
+    ask = wait_until(lambda: next((m for m in sent(editor)[n0:] if m.get("n")), None), 5, what="the cycle's request")
+    wait_until(lambda: next((r for r in editor.lua("return require('completer').results()") if r["id"] == ask["id"]),
+                            None), 15, what="the candidates")
+    wait_until(lambda: events(editor) == [True, False], 5, what=f"on and off events: {events(editor)}")
+    assert not editor.lua("return require('completer').generating()")
