@@ -112,11 +112,13 @@ class ModelNames(msgspec.Struct, frozen=True):
     draft: str | None = None
 
 
-class RequestDefaults(msgspec.Struct, frozen=True):
+class RequestDefaults(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a request that leaves them out gets (the server's `[request]`): clients time requests by it."""
 
     deadline_ms: float
     max_tokens: int
+    # The deadline of a document's first request on the connection (a cold prefill of all of it).
+    first_deadline_ms: float | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", tag_field="type", frozen=True):

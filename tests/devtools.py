@@ -29,6 +29,7 @@ KEYS = {
     "End": ("End", "End", 35, ""),
     "Home": ("Home", "Home", 36, ""),
     "p": ("p", "KeyP", 80, ""),
+    "Space": (" ", "Space", 32, ""),  # only with Ctrl here (Ctrl+Space: the suggest widget)
 }
 CTRL = 2  # Input.dispatchKeyEvent's modifiers bit
 

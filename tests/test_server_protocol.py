@@ -43,7 +43,7 @@ async def test_hello_ready(server):
         assert ready["server"].startswith("completer/")
         assert ready["model"]["target"] and "draft" in ready["model"]
         # What a request that leaves them out gets: the clients time their requests by it.
-        assert ready["request"] == {"deadline_ms": 2000.0, "max_tokens": 64}
+        assert ready["request"] == {"deadline_ms": 2000.0, "max_tokens": 64, "first_deadline_ms": 15000.0}
         await ws.send(json.dumps({"type": "hello", "protocol": 2}))
         err = json.loads(await ws.recv())
         assert err == {"type": "error", "id": None, "code": "unsupported", "message": err["message"]}

@@ -6,11 +6,14 @@ read from its DOM. Against the real server (embedded models), through a relay
 that records every frame, so the ghost text is compared with the completions
 the server sent.
 
-It checks: the status item says connected, with the last latency, then
-offline when the server goes, then connected again; every ghost text shown is
-the rest of a completion the server sent; typing what it shows keeps the rest
-on screen without a request; Escape dismisses it; Tab inserts it; a `.env`
-file is neither completed nor primed, nor sent as context. It prints the
+It checks: the status item says connected, with the last latency, spins
+while a request generates, says offline when the server goes, then connected
+again; every ghost text shown is the rest of a completion the server sent;
+typing what it shows keeps the rest on screen without a request; Escape
+dismisses it; Tab inserts it; with the suggest widget open the ghost text is
+its selected item followed by a completion for the document as if that item
+were inserted; a `.env` file is neither completed nor primed, nor sent as
+context. It prints the
 keystroke-to-ghost latency (p50/p99 over the keystrokes after which a ghost
 text showed, and over those that needed a request) and writes it, with a
 screenshot, to test-artifacts/.
@@ -94,7 +97,8 @@ PAGE_SCRIPT = r"""
   const state = () => {
     const ed = editor();
     if (!ed) return { ghost: '', line: null, lines: [] };
-    const inline = [...ed.querySelectorAll('.view-lines .ghost-text-decoration')];
+    // (Beside the suggest widget, the part after its item is drawn as `-preview`.)
+    const inline = [...ed.querySelectorAll('.view-lines .ghost-text-decoration, .view-lines .ghost-text-decoration-preview')];
     let ghost = inline.map((e) => e.textContent).join('').replace(NBSP, ' ');
     // Its lines after the first, in a view zone below.
     const more = [...ed.querySelectorAll('.view-zones .suggest-preview-text .view-line')]
@@ -285,6 +289,20 @@ def workbench(code_server_root, vsix, tmp_path):
 
 STATUS = "document.getElementById('completer.completer')"
 
+# Counts the times the status item showed the spinning codicon (`$(loading~spin)`: a request generating).
+WATCH_SPINNER = f"""(() => {{
+  const item = {STATUS};
+  window.__spins = 0;
+  let spinning = false;
+  const look = () => {{
+    const now = !!item.querySelector('.codicon-loading.codicon-modifier-spin');
+    if (now && !spinning) window.__spins += 1;
+    spinning = now;
+  }};
+  new MutationObserver(look).observe(item, {{ subtree: true, childList: true, attributes: true, characterData: true }});
+  return true;
+}})()"""
+
 
 async def status(page: DevTools) -> dict:
     return await page.evaluate(f"""(() => {{
@@ -367,6 +385,50 @@ async def test_extension_in_code_server(server, workbench, capsys):
     (ARTIFACTS / "vscode-workbench.png").write_bytes(base64.b64decode(shot))
 
 
+SUGGEST_ROW = "document.querySelector('.suggest-widget.visible .monaco-list-row.focused .label-name')?.textContent"
+
+
+async def beside_the_suggest_widget(page: DevTools, relay: Relay, text: str) -> None:
+    """With the suggest widget open (Ctrl+Space; its items are the document's words), the ghost text
+    beside it is the widget's selected item followed by the rest of a completion the server sent for the
+    document as if that item were inserted (asked for then, or found on screen or in the cache)."""
+    await page.press("End", CTRL)
+    await page.press("Enter")
+    await page.press("Enter")
+    text += "\n\n"
+    line = ""
+    for ch in "x = su":  # `sub` is a word of the document
+        await page.type(ch)
+        line += ch
+        await asyncio.sleep(0.1)
+    text += line
+    await asyncio.sleep(1.0)
+    since = time.monotonic()
+    await page.press("Space", CTRL)
+    label = await wait_for(page, SUGGEST_ROW, tries=60, every=0.25)
+    assert label and label.startswith("su"), f"the suggest widget did not open: {label!r}"
+    as_if = text[:-2] + label  # the item replaces the word typed ("su")
+    deadline = time.monotonic() + 20
+    seen = ""
+    while time.monotonic() < deadline:
+        state = await ghost_state(page)
+        seen = "su" + state["ghost"]
+        if state["line"] == line and seen.startswith(label) and len(seen) > len(label) \
+                and served(relay, as_if, seen[len(label):]):
+            break
+        await asyncio.sleep(0.25)
+    else:
+        raise AssertionError(f"beside {label!r} the line reads {line!r} + {seen[2:]!r}, not the item and a "
+                             f"completion for the document as if it were inserted; asked since Ctrl+Space: "
+                             f"{[f['document']['prefix'][-20:] for f in relay.requests(since)]}")
+    assert await page.evaluate(SUGGEST_ROW) == label, "the widget closed or moved meanwhile"
+    asked = sum(f["document"]["prefix"] == as_if for f in relay.requests(since))
+    step(f"beside {label!r}: {seen!r} ({asked} request(s) as if it were inserted)")
+    await page.press("Escape")  # the widget
+    await page.press("Escape")  # the ghost text
+    await asyncio.sleep(0.5)
+
+
 def step(what: str) -> None:
     """A line on the terminal per step of the drive (past pytest's capture: progress on a slow machine)."""
     print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.__stderr__, flush=True)
@@ -379,6 +441,7 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
     assert connected, f"the status item never said connected: {await status(page)}"
     assert f"connected to ws://127.0.0.1:{relay_port}/v1/ws" in connected["aria"], connected
     assert await page.evaluate(PAGE_SCRIPT)
+    assert await page.evaluate(WATCH_SPINNER)
 
     step("connected; opening main.py")
     await open_file(page, "main.py")
@@ -422,6 +485,10 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
     assert not unserved, f"ghost texts that are no completion the server sent (prefix tail, ghost, ghost 0.5 s later): {unserved}"
 
     step(f"typed: {len(samples)} keystrokes showed a ghost text")
+    spins = await page.evaluate("window.__spins")
+    requested = sum(s["request"] for s in samples)
+    assert spins > 0, f"the status item never spun, though {requested} keystrokes sent a request"
+    step(f"the status item spun {spins} times")
     # A new function's line, typed until a ghost text shows that starts on it (not with a line
     # break) and is long enough for what follows: type through it, dismiss it, accept it.
     step("typing until a ghost text to type through")
@@ -479,6 +546,9 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
 
     latency = await wait_status(page, r"completer \d+ ms", "zap", timeout=10)
     assert latency, f"the status item shows no latency: {await status(page)}"
+
+    step("the suggest widget")
+    await beside_the_suggest_widget(page, relay, text)
 
     # A .env file: nothing is completed, primed or sent as context.
     step(".env")

@@ -131,7 +131,8 @@ class Session:
                 defaults = app.config.request
                 self.send(Ready(PROTOCOL_VERSION, f"completer/{__version__}",
                                 ModelNames(app.target.name, app.draft.name if app.draft else None),
-                                RequestDefaults(defaults.deadline_ms, defaults.max_tokens)))
+                                RequestDefaults(defaults.deadline_ms, defaults.max_tokens,
+                                                defaults.first_deadline_ms)))
 
     def supersede_key(self, uri: str) -> str:
         return f"{self.key}/{uri}"

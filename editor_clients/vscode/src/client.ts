@@ -8,7 +8,7 @@ import WebSocket from 'ws';
 
 import { DEFAULT_PONG_TIMEOUT_MS, DEFAULT_SILENCE_MS, Liveness } from './liveness';
 import { CompleteParams, PROTOCOL_VERSION, ServerInfo } from './protocol';
-import { InFlightRequests, PendingCompletion, RequestOptions } from './requests';
+import { InFlightRequests, PendingCompletion, RequestOptions, RequestTimeouts } from './requests';
 
 export * from './protocol';
 export type { PendingCompletion, RequestOptions } from './requests';
@@ -43,6 +43,8 @@ export interface ClientOptions {
   assumedDeadlineMs?: number;
   /** Given up this long after its deadline, when neither `done` nor `error` came. */
   requestMarginMs?: number;
+  /** The user's override: every request is given up this long after it was sent (0: its deadline plus the margin). */
+  requestTimeoutMs?: number;
 }
 
 /** What became of a completion (`feedback`). Counts are in code points, as the server counts. */
@@ -65,6 +67,7 @@ export class NotConnectedError extends Error {
 /**
  * Events: `state` (StateChange), `sent` (the message object, after sending),
  * `message` (each server message), `result` (CompletionResult), `ready` (ServerInfo),
+ * `generating` (the number of requests generating a suggestion, when it may have changed),
  * `log` (string).
  */
 export class CompleterClient extends EventEmitter {
@@ -93,10 +96,28 @@ export class CompleterClient extends EventEmitter {
       // later than this is of no use to someone typing.
       assumedDeadlineMs: 10_000,
       requestMarginMs: 2_000,
+      requestTimeoutMs: 0,
       ...options,
     };
     this.requests = new InFlightRequests((m) => this.send(m), (r) => this.emit('result', r),
-      () => this.liveness?.probe(), this.opts);
+      () => this.liveness?.probe(), this.timeouts(), () => this.emit('generating', this.requests.generating));
+  }
+
+  /** Requests in flight generating a suggestion the user waits for (not cancelled, superseded, primes or prefetches). */
+  get generating(): number {
+    return this.requests.generating;
+  }
+
+  /** The wait for a request's end: from the options, and the server's defaults once its `ready` said them. */
+  private timeouts(server: ServerInfo | undefined = this.server): RequestTimeouts {
+    const positive = (v: unknown) => (typeof v === 'number' && Number.isFinite(v) && v > 0 ? v : undefined);
+    return {
+      assumedDeadlineMs: this.opts.assumedDeadlineMs,
+      requestMarginMs: this.opts.requestMarginMs,
+      overrideMs: this.opts.requestTimeoutMs,
+      serverDeadlineMs: positive(server?.request?.deadline_ms),
+      serverFirstDeadlineMs: positive(server?.request?.first_deadline_ms),
+    };
   }
 
   get state(): ConnectionState {
@@ -131,11 +152,17 @@ export class CompleterClient extends EventEmitter {
   /** New url or token source: reconnect now if running. */
   reconfigure(options: Partial<ClientOptions>): void {
     this.opts = { ...this.opts, ...options };
-    this.requests.timeouts = this.opts;
+    this.requests.timeouts = this.timeouts();
     if (this._state !== 'stopped') {
       this.stop();
       this.start();
     }
+  }
+
+  /** The user's override of the wait for a request's end (0: deadline plus margin), for requests sent from now on. */
+  setRequestTimeout(ms: number): void {
+    this.opts.requestTimeoutMs = ms;
+    this.requests.timeouts = this.timeouts();
   }
 
   dispose(): void {
@@ -317,12 +344,8 @@ export class CompleterClient extends EventEmitter {
     this.emit('message', msg);
     if (msg.type === 'ready') {
       this.server = msg as unknown as ServerInfo;
-      // Requests that leave deadline_ms out are timed by the server's own deadline (this connection's server).
-      const deadline = this.server.request?.deadline_ms;
-      this.requests.timeouts = {
-        ...this.requests.timeouts,
-        serverDeadlineMs: typeof deadline === 'number' && Number.isFinite(deadline) && deadline > 0 ? deadline : undefined,
-      };
+      // Requests that leave deadline_ms out are timed by the server's own deadlines (this connection's server).
+      this.requests.timeouts = this.timeouts(this.server);
       this.emit('ready', this.server);
     } else if (msg.type === 'error' && (typeof msg.id !== 'string' || !this.requests.has(msg.id))) {
       this.emit('log', `server error: ${String(msg.code)}: ${String(msg.message)}`);

@@ -12,6 +12,8 @@ export interface Settings {
   debounceMaxMs: number;
   maxTokens: number;
   deadlineMs: number;
+  /** Give a request up this long after it was sent; 0: its deadline (deadlineMs, else the server's) plus 2 s. */
+  requestTimeoutMs: number;
   contextEnabled: boolean;
   contextMaxSnippets: number;
   contextMaxChars: number;
@@ -55,6 +57,7 @@ export function readSettings(): Settings {
     debounceMaxMs: num('debounce.maxMs', 300),
     maxTokens: num('maxTokens', 0),
     deadlineMs: num('deadlineMs', 0),
+    requestTimeoutMs: num('requestTimeoutMs', 0),
     contextEnabled: bool('context.enabled', true),
     contextMaxSnippets: num('context.maxSnippets', 4, 0, 64),
     contextMaxChars: num('context.maxChars', 600),

@@ -53,6 +53,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
     token: () => (usedToken = currentToken()),
     clientName: CLIENT_NAME,
     maxBackoffMs: settings.reconnectMaxDelayMs,
+    requestTimeoutMs: settings.requestTimeoutMs,
   });
   /** A new token (set here, in another window, or a new token file setting): connect with it now. */
   const tokenChanged = () => {
@@ -106,6 +107,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
     lastLatencyMs: stats.lastLatencyMs,
     error: lastError,
     model: client.server?.model.target,
+    generating: client.generating > 0,
   });
 
   const editors = watchEditors({ provider, prefetch, context: collector, definitions, settings: () => settings });
@@ -142,6 +144,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
   });
   client.on('log', (line: string) => output.appendLine(line));
   client.on('ready', () => refresh());
+  client.on('generating', () => refresh()); // the spinner: on while a suggestion is generated, off when it ends
 
   const apply = async () => {
     const old = settings;
@@ -154,7 +157,10 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
     cache.setCapacity(settings.cacheSize);
     provider.debounce.setRange({ minMs: settings.debounceMinMs, maxMs: settings.debounceMaxMs });
     if (old.serverUrl !== settings.serverUrl || old.reconnectMaxDelayMs !== settings.reconnectMaxDelayMs) {
-      client.reconfigure({ url: settings.serverUrl, maxBackoffMs: settings.reconnectMaxDelayMs });
+      client.reconfigure({ url: settings.serverUrl, maxBackoffMs: settings.reconnectMaxDelayMs,
+        requestTimeoutMs: settings.requestTimeoutMs });
+    } else if (old.requestTimeoutMs !== settings.requestTimeoutMs) {
+      client.setRequestTimeout(settings.requestTimeoutMs); // no reconnect: requests sent from now on
     }
     if (settings.enabled) {
       client.start();

@@ -60,7 +60,7 @@ export interface ServerInfo {
   server: string;
   model: { target: string; draft?: string | null };
   /** What a request that leaves them out gets (servers before it send none). */
-  request?: { deadline_ms?: number; max_tokens?: number };
+  request?: { deadline_ms?: number; max_tokens?: number; first_deadline_ms?: number };
 }
 
 /** Why the extension sent a request: it decides what the result is used for and what it may show. */

@@ -2,7 +2,10 @@
 // no selection or multi-cursor), then the cheapest source of a suggestion
 // first: the one on screen typed through, the next line fetched after an
 // accept, the cache, and only then a request (debounced), whose answer is
-// shown with its alternatives (`done.candidates`) to cycle through.
+// shown with its alternatives (`done.candidates`) to cycle through. While the
+// suggest widget is open, the document is taken as if its selected item were
+// inserted, and what is offered starts with that item (VS Code shows only a
+// suggestion that extends it).
 
 import * as vscode from 'vscode';
 
@@ -67,6 +70,36 @@ function unlessCancelled<T>(promise: Promise<T>, token: vscode.CancellationToken
   });
 }
 
+/**
+ * The document as if the suggest widget's selected item were inserted: its
+ * text replacing its range, the cursor after it. What the provider asks for
+ * and caches there; what it offers is the item's text and the completion,
+ * over the item's range.
+ */
+export interface AsIfSelected {
+  range: vscode.Range;
+  /** The selected item's text (what it inserts). */
+  head: string;
+  doc: DocumentText;
+  cursor: number;
+  source: TextSource;
+}
+
+export function asIfSelected(document: vscode.TextDocument, position: vscode.Position,
+  selected: vscode.SelectedCompletionInfo): AsIfSelected | undefined {
+  const doc = documentText(document);
+  const start = document.offsetAt(selected.range.start);
+  const end = document.offsetAt(selected.range.end);
+  if (end < document.offsetAt(position) || start > end) {
+    return undefined; // an item that would leave the cursor where it is not: nothing to extend
+  }
+  const text = doc.text.slice(0, start) + selected.text + doc.text.slice(end);
+  return {
+    range: selected.range, head: selected.text, doc: { ...doc, text }, cursor: start + selected.text.length,
+    source: { uri: doc.uri, text: (a, b) => (b <= a ? '' : text.slice(Math.max(0, a), b)) },
+  };
+}
+
 /** The parts the provider works with (built and wired by extension.ts). */
 export interface ProviderParts {
   client: CompleterClient;
@@ -115,8 +148,14 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (editor && editor.document === document && (editor.selections.length > 1 || !editor.selection.isEmpty)) {
       return undefined; // no request while a selection or multi-cursor is active
     }
-    const cursor = document.offsetAt(position);
-    const source = textSource(document);
+    const selected = context.selectedCompletionInfo;
+    // The suggest widget is open: everything below is for the document as if its selected item were inserted.
+    const asIf = selected ? asIfSelected(document, position, selected) : undefined;
+    if (selected && !asIf) {
+      return undefined;
+    }
+    const cursor = asIf ? asIf.cursor : document.offsetAt(position);
+    const source = asIf ? asIf.source : textSource(document);
     if (this.tracker.current) {
       // Typed (or accepted) what the suggestion says: the rest, at once, with no request and no flicker.
       const rest = this.tracker.observe(source, cursor, this.accepting ? 'accepted' : 'typed');
@@ -124,14 +163,12 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       if (rest !== undefined && shown) {
         shown.version = document.version;
         stats.typeThrough += 1;
-        return this.items(shown.id, rest, position);
+        return asIf ? this.items(shown.id, rest.map((a) => ({ index: a.index, text: asIf.head + a.text })), asIf.range)
+          : this.items(shown.id, rest, new vscode.Range(position, position));
       }
     }
-    if (context.selectedCompletionInfo) {
-      return undefined; // the suggest widget is open: leave the preview to it
-    }
-    const doc = documentText(document);
-    const afterAccept = prefetch.speculationAt(doc, cursor);
+    const doc = asIf ? asIf.doc : documentText(document);
+    const afterAccept = asIf ? undefined : prefetch.speculationAt(doc, cursor);
     if (afterAccept) {
       return this.showNextLine(afterAccept, document, position, token);
     }
@@ -139,9 +176,9 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     const hit = cache.get(place);
     if (hit) {
       stats.cacheHits += 1;
-      return this.show(hit.id, hit.alternatives, document, position);
+      return this.show(hit.id, hit.alternatives, document, position, 0, asIf);
     }
-    const ahead = prefetch.speculationFor(place);
+    const ahead = asIf ? undefined : prefetch.speculationFor(place);
     if (ahead) { // Enter came before the next line did
       const next = await unlessCancelled(ahead.result, token);
       return next && document.version === doc.version ? this.show(next.id, next.alternatives, document, position) : undefined;
@@ -159,7 +196,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (token.isCancellationRequested) {
       return undefined;
     }
-    return this.request(doc, place, document, position, token);
+    return this.request(doc, place, document, position, token, asIf);
   }
 
   /** The fields of a request at `cursor` of `doc` (also what prefetched requests send). */
@@ -189,7 +226,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   }
 
   private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
-    token: vscode.CancellationToken): Promise<vscode.InlineCompletionItem[] | undefined> {
+    token: vscode.CancellationToken, asIf?: AsIfSelected): Promise<vscode.InlineCompletionItem[] | undefined> {
     const { client, stats, cache, feedback } = this.parts;
     let pending: PendingCompletion;
     try {
@@ -222,7 +259,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       }
       return undefined;
     }
-    return this.show(result.id, alternatives, document, position);
+    return this.show(result.id, alternatives, document, position, 0, asIf);
   }
 
   /** Right after a whole accept at the end of a line: the next line, with the line break Enter would insert. */
@@ -238,9 +275,16 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       lead.length);
   }
 
+  /**
+   * Show `alternatives` at `position`; with `asIf`, at the cursor of the
+   * document as if the suggest widget's item were inserted (tracked there:
+   * once the item is inserted the document is that one), each text after the
+   * item's over its range.
+   */
   private show(id: string, alternatives: Alternative[], document: vscode.TextDocument, position: vscode.Position,
-    lead = 0): vscode.InlineCompletionItem[] | undefined {
-    this.tracker.show(id, textSource(document), document.offsetAt(position), alternatives, lead);
+    lead = 0, asIf?: AsIfSelected): vscode.InlineCompletionItem[] | undefined {
+    this.tracker.show(id, asIf ? asIf.source : textSource(document), asIf ? asIf.cursor : document.offsetAt(position), alternatives,
+      lead);
     const shown = this.tracker.current;
     if (!shown) {
       return undefined;
@@ -249,11 +293,14 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     this.parts.feedback.markDisplayed(id);
     this.parts.stats.show(alternatives[0].text.slice(lead));
     void vscode.commands.executeCommand('setContext', VISIBLE_CONTEXT, true);
-    return this.items(id, shown.alive, position);
+    if (asIf) {
+      return this.items(id, shown.alive.map((a) => ({ index: a.index, text: asIf.head + a.text })), asIf.range);
+    }
+    return this.items(id, shown.alive, new vscode.Range(position, position));
   }
 
-  private items(id: string, alternatives: Alternative[], position: vscode.Position): vscode.InlineCompletionItem[] {
-    return alternatives.map((a) => new vscode.InlineCompletionItem(a.text, new vscode.Range(position, position),
+  private items(id: string, alternatives: Alternative[], range: vscode.Range): vscode.InlineCompletionItem[] {
+    return alternatives.map((a) => new vscode.InlineCompletionItem(a.text, range,
       { title: 'completer: accepted', command: ACCEPTED_COMMAND, arguments: [id, a.index] }));
   }
 }

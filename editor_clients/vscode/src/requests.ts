@@ -22,8 +22,36 @@ export interface RequestTimeouts {
   assumedDeadlineMs: number;
   /** The server's default deadline (its `ready`'s `request.deadline_ms`): a request without `deadline_ms` follows it. */
   serverDeadlineMs?: number;
+  /**
+   * The deadline the server gives a document's first request on the connection when it names none
+   * (`ready`'s `request.first_deadline_ms`; the server's default, 15 s, when it says its deadline but not
+   * this one): that request prefills the whole document cold.
+   */
+  serverFirstDeadlineMs?: number;
   /** Given up this long after its deadline, when neither `done` nor `error` came. */
   requestMarginMs: number;
+  /** The user's override (`completer.requestTimeoutMs`): every request is given up this long after it was sent; 0 or unset: deadline plus margin. */
+  overrideMs?: number;
+}
+
+/** The server's `request.first_deadline_ms` when a server that says its deadline does not say this one. */
+export const DEFAULT_FIRST_DEADLINE_MS = 15_000;
+
+/**
+ * How long to wait for the end of a request: the user's override, else its
+ * deadline (its own `deadline_ms`, else the server's default, longer for a
+ * document's first request on the connection) plus the margin.
+ */
+export function requestWaitMs(t: RequestTimeouts, deadlineMs: number | undefined, first: boolean): number {
+  if (t.overrideMs !== undefined && t.overrideMs > 0) {
+    return t.overrideMs;
+  }
+  let deadline = deadlineMs;
+  if (deadline === undefined) {
+    deadline = t.serverDeadlineMs === undefined ? t.assumedDeadlineMs
+      : first ? Math.max(t.serverDeadlineMs, t.serverFirstDeadlineMs ?? DEFAULT_FIRST_DEADLINE_MS) : t.serverDeadlineMs;
+  }
+  return deadline + t.requestMarginMs;
 }
 
 interface InFlight {
@@ -47,6 +75,8 @@ export class InFlightRequests {
    * on the server: one, and those sent beside it with `supersede: false`.
    */
   private currentByUri = new Map<string, Set<string>>();
+  /** The documents a request was sent for on this connection: the server times a document's first one longer. */
+  private sentFor = new Set<string>();
 
   constructor(
     private readonly send: (message: Record<string, unknown>) => void,
@@ -54,7 +84,23 @@ export class InFlightRequests {
     /** A request overran its deadline: the connection may be dead. */
     private readonly overran: () => void,
     public timeouts: RequestTimeouts,
+    /** How many requests are generating for the user changed (see `generating`). */
+    private readonly activity: () => void = () => undefined,
   ) {}
+
+  /**
+   * Requests generating a suggestion the user waits for: purpose `complete`,
+   * not yet ended, and neither cancelled nor superseded (the user moved on).
+   */
+  get generating(): number {
+    let n = 0;
+    for (const entry of this.byId.values()) {
+      if (entry.purpose === 'complete' && !entry.cancelRequested) {
+        n += 1;
+      }
+    }
+    return n;
+  }
 
   /** Send a `complete` (the connection is open) and track it until its end. */
   add(params: CompleteParams, options: RequestOptions): PendingCompletion {
@@ -73,8 +119,8 @@ export class InFlightRequests {
     }
     let resolve!: (r: CompletionResult) => void;
     const result = new Promise<CompletionResult>((r) => (resolve = r));
-    const deadlineMs = params.deadline_ms ?? this.timeouts.serverDeadlineMs ?? this.timeouts.assumedDeadlineMs;
-    const waitMs = deadlineMs + this.timeouts.requestMarginMs;
+    const waitMs = requestWaitMs(this.timeouts, params.deadline_ms, !this.sentFor.has(uri));
+    this.sentFor.add(uri);
     const entry: InFlight = {
       id, uri, deltas: [], sentAt: performance.now(), cancelRequested: false,
       purpose: options.purpose ?? 'complete', onDelta: options.onDelta, resolve,
@@ -83,6 +129,7 @@ export class InFlightRequests {
     this.byId.set(id, entry);
     current.add(id);
     this.send({ type: 'complete', id, ...params });
+    this.activity();
     return {
       id,
       result,
@@ -92,6 +139,7 @@ export class InFlightRequests {
         }
         entry.cancelRequested = true;
         this.send({ type: 'cancel', id });
+        this.activity();
       },
     };
   }
@@ -113,6 +161,7 @@ export class InFlightRequests {
         timings: msg.timings as Timings | undefined,
       });
     } else if (msg.type === 'error') {
+      this.sentFor.delete(entry.uri); // refused before the server took the document in: its next request is its first
       this.finish(entry, {
         reason: 'error', text: entry.deltas.join(''), error: { code: String(msg.code), message: String(msg.message) },
       });
@@ -123,11 +172,12 @@ export class InFlightRequests {
     return this.byId.has(id);
   }
 
-  /** The connection is gone: every request ends as `disconnected`. */
+  /** The connection is gone: every request ends as `disconnected`; the next connection's server knows no document. */
   failAll(detail: string): void {
     for (const entry of [...this.byId.values()]) {
       this.finish(entry, { reason: 'disconnected', text: entry.deltas.join(''), error: { code: 'disconnected', message: detail } });
     }
+    this.sentFor.clear();
   }
 
   /**
@@ -168,5 +218,6 @@ export class InFlightRequests {
     };
     this.ended(result);
     entry.resolve(result);
+    this.activity();
   }
 }

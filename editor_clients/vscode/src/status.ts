@@ -1,5 +1,6 @@
-// The status bar item: off / connecting / offline / connected with the last
-// latency / the last request's error. Never a popup.
+// The status bar item: off / connecting / offline / generating (a spinner
+// while a suggestion is on its way) / connected with the last latency / the
+// last request's error. Never a popup.
 
 import * as vscode from 'vscode';
 
@@ -15,7 +16,12 @@ export interface StatusView {
   /** The last request's error, cleared by the next request that ends well. */
   error?: { code: string; message: string };
   model?: string;
+  /** A request for a suggestion is in flight (not cancelled): the spinner. */
+  generating?: boolean;
 }
+
+/** The codicon the item spins while a suggestion is generated. */
+export const GENERATING_ICON = '$(loading~spin)';
 
 export class StatusBar implements vscode.Disposable {
   readonly item: vscode.StatusBarItem;
@@ -37,6 +43,11 @@ export class StatusBar implements vscode.Disposable {
     }
     const c = v.connection;
     if (c.state === 'connected') {
+      if (v.generating) {
+        item.text = `${GENERATING_ICON} completer`;
+        item.tooltip = `completer: generating a suggestion (${v.url}${v.model ? `, ${v.model}` : ''})`;
+        return;
+      }
       if (v.error) {
         item.text = '$(warning) completer: error';
         item.tooltip = `completer: the last request failed: ${v.error.code}: ${v.error.message}`;

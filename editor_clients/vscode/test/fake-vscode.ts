@@ -7,7 +7,7 @@
 
 import {
   CancellationTokenSource, Disposable, EventEmitter, FakeSecretStorage, InlineCompletionItem, InlineCompletionTriggerKind,
-  Listener, Selection, ThemeColor, Uri,
+  Listener, Range, Selection, ThemeColor, Uri,
 } from './fake-basics';
 import { DocumentChange, FakeDocument, FakeEditor, nextLine, nextWord } from './fake-documents';
 
@@ -15,6 +15,8 @@ export * from './fake-basics';
 export * from './fake-documents';
 export interface StatusItem {
   text: string;
+  /** Every text the item was given, in order (a spinner shown for a moment is seen here). */
+  texts: string[];
   tooltip?: string;
   name?: string;
   command?: string;
@@ -23,6 +25,12 @@ export interface StatusItem {
   show(): void;
   hide(): void;
   dispose(): void;
+}
+
+/** The suggest widget's selected item (InlineCompletionContext.selectedCompletionInfo). */
+export interface SelectedCompletionInfo {
+  range: Range;
+  text: string;
 }
 
 interface Ghost {
@@ -163,9 +171,13 @@ export const fake = {
     }
     return state.providers[0];
   },
-  /** Ask the provider at the active editor's cursor, as VS Code does (cancelling the call before). */
+  /**
+   * Ask the provider at the active editor's cursor, as VS Code does (cancelling the call before).
+   * `selected`: the suggest widget is open with this item selected (its text would replace its range);
+   * the suggest widget then owns the keys, so no ghost text is kept for Tab and the accept commands.
+   */
   async trigger(kind: InlineCompletionTriggerKind = InlineCompletionTriggerKind.Invoke,
-    cts = new CancellationTokenSource()): Promise<InlineCompletionItem[] | undefined> {
+    cts = new CancellationTokenSource(), selected?: SelectedCompletionInfo): Promise<InlineCompletionItem[] | undefined> {
     const editor = state.activeEditor;
     if (!editor) {
       throw new Error('no active editor');
@@ -174,12 +186,14 @@ export const fake = {
     state.pending = cts;
     const version = editor.document.version;
     const items = await fake.provider.provideInlineCompletionItems(editor.document, editor.selection.active,
-      { triggerKind: kind, selectedCompletionInfo: undefined }, cts.token);
+      { triggerKind: kind, selectedCompletionInfo: selected }, cts.token);
     if (state.pending === cts) {
       state.pending = undefined;
     }
     const list = items ?? [];
-    if (!cts.token.isCancellationRequested && editor.document.version === version && list.length > 0) {
+    if (selected) {
+      state.ghost = undefined;
+    } else if (!cts.token.isCancellationRequested && editor.document.version === version && list.length > 0) {
       state.ghost = { item: list[0], items: list, editor, at: editor.cursor, done: 0 };
     } else if (list.length === 0 && !cts.token.isCancellationRequested) {
       state.ghost = undefined;
@@ -228,6 +242,19 @@ export const fake = {
       return fake.trigger(InlineCompletionTriggerKind.Automatic);
     });
   },
+  /**
+   * The suggest widget's item accepted: its text replaces its range (one edit, the cursor after it),
+   * as VS Code inserts a completion item.
+   */
+  acceptSuggestItem(editor: FakeEditor, selected: SelectedCompletionInfo): void {
+    state.pending?.cancel();
+    state.ghost = undefined;
+    const start = editor.document.offsetAt(selected.range.start);
+    editor.document.edit(start, editor.document.offsetAt(selected.range.end), selected.text);
+    const p = editor.document.positionAt(start + selected.text.length);
+    editor.selections = [new Selection(p, p)];
+    state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: undefined });
+  },
   select(editor: FakeEditor, ...ranges: [number, number][]): void {
     editor.selections = ranges.map(([a, b]) => new Selection(editor.document.positionAt(a), editor.document.positionAt(b)));
     state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: 2 });
@@ -250,8 +277,16 @@ export const window = {
     return [...state.editors];
   },
   createStatusBarItem(): StatusItem {
+    let text = '';
     const item: StatusItem = {
-      text: '', visible: false,
+      get text() {
+        return text;
+      },
+      set text(value: string) {
+        text = value;
+        item.texts.push(value);
+      },
+      texts: [], visible: false,
       show() { item.visible = true; },
       hide() { item.visible = false; },
       dispose() { item.visible = false; },

@@ -1,7 +1,9 @@
 // Against the real server: the cache, the context and its stability, privacy
-// (excluded files, the token in the secret storage), priming, the next line
-// fetched after an accept, alternatives (`n`), and `feedback` for a
-// completion never shown.
+// (excluded files, your globs beside the sensitive-file list, the token in the
+// secret storage), priming, the next line fetched after an accept,
+// alternatives (`n`), `feedback` for a completion never shown, the status
+// bar's spinner, completing beside the suggest widget, and how long a request
+// is waited for.
 
 import './vscode-hook';
 
@@ -9,7 +11,7 @@ import assert from 'node:assert/strict';
 import { after, afterEach, before, describe, it } from 'node:test';
 
 import { SECRET_KEY } from '../src/secrets';
-import { fake, InlineCompletionTriggerKind, Position, Range, Uri } from './fake-vscode';
+import { CancellationTokenSource, fake, InlineCompletionTriggerKind, Position, Range, Uri } from './fake-vscode';
 import { Msg, Server, waitFor } from './server';
 import {
   activateAgain, closeSession, completes, feedbackFor, primes, Session, speculative, start as startOn, suggestion, wire,
@@ -151,6 +153,30 @@ describe('privacy', () => {
     assert.ok(!s.sent.some((m) => JSON.stringify(m).includes('sk-live')), 'the secret never left');
   });
 
+  it('completer.exclude adds to the sensitive-file list; excludeSensitiveFiles: false alone drops that list', async () => {
+    const s = await start({ 'completer.exclude': ['**/generated/**', '*.gen.py'] });
+    assert.deepEqual(s.api.settings().exclude, ['**/generated/**', '*.gen.py']);
+    for (const uri of ['file:///proj/app/.env', 'file:///proj/app/server.pem', 'file:///proj/generated/models.py',
+      'file:///proj/app/schema.gen.py']) {
+      fake.open(uri, 'python', 'import os\nx = |\n');
+      assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined, uri);
+    }
+    assert.equal(s.sent.filter((m) => m.type === 'complete').length, 0, 'the user\'s globs did not replace the defaults');
+    fake.open('file:///proj/app/main.py', 'python', 'import os\nx = |\n');
+    await fake.trigger(InlineCompletionTriggerKind.Invoke);
+    assert.equal(completes(s).length, 1, 'a file neither list names is completed');
+
+    fake.setConfig({ 'completer.excludeSensitiveFiles': false });
+    await new Promise((r) => setImmediate(r));
+    fake.open('file:///proj/app/.env', 'python', 'import os\nx = |\n');
+    await fake.trigger(InlineCompletionTriggerKind.Invoke);
+    assert.equal(completes(s).at(-1)?.document?.uri, 'file:///proj/app/.env', 'the opt-out lets .env through');
+    fake.open('file:///proj/generated/more.py', 'python', 'import os\nx = |\n');
+    const before = completes(s).length;
+    assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined);
+    assert.equal(completes(s).length, before, 'the user\'s own globs still hold');
+  });
+
   it('the token lives in the secret storage: moved from the setting, used, set by command', async () => {
     const s = await startOn(server, { 'completer.token': TOKEN, 'completer.tokenFile': '/nonexistent/token',
       'completer.reconnect.maxDelayMs': 300 });
@@ -248,5 +274,131 @@ describe('the server\'s newer fields', () => {
     } else {
       assert.deepEqual(feedbackFor(s, id), [], 'nothing to report of an empty completion');
     }
+  });
+});
+
+describe('the generating indicator, the suggest widget, request timeouts (#28)', () => {
+  it('the status item spins while a suggestion is generated, and stops on done, cancel, error and timeout', async () => {
+    const s = await start({ 'completer.prime': false });
+    const item = fake.state.statusItems[0];
+    const spinning = () => item.text === '$(loading~spin) completer';
+    const idle = () => !item.text.includes('loading');
+    // A document per case: nothing shown nor cached from the case before.
+    let n = 0;
+    const open = () => fake.open(`file:///proj/app/spin_${n++}.py`, 'python', 'import os\n\n\ndef read_lines(path):\n|\n');
+    open();
+
+    // done
+    let call = fake.trigger(InlineCompletionTriggerKind.Invoke);
+    assert.ok(spinning(), `spinning while the request is in flight: ${item.text}`);
+    assert.equal(s.api.client.generating, 1);
+    assert.match(item.tooltip ?? '', /generating a suggestion/);
+    await call;
+    let id = completes(s).at(-1)?.id as string;
+    assert.notEqual((await wire(s, id)).done.reason, 'cancelled');
+    assert.ok(idle() && /^\$\(zap\) completer \d+ ms$/.test(item.text), item.text);
+
+    // cancelled (a keystroke): off at once, before the server's `done`
+    open();
+    const cts = new CancellationTokenSource();
+    call = fake.trigger(InlineCompletionTriggerKind.Invoke, cts);
+    id = completes(s).at(-1)?.id as string;
+    assert.ok(spinning(), item.text);
+    cts.cancel();
+    assert.ok(idle(), `off as soon as cancelled: ${item.text}`);
+    assert.equal(s.api.client.generating, 0);
+    await call;
+    await wire(s, id);
+    assert.ok(idle(), item.text);
+
+    // an error (deadline_ms beyond the protocol's bound: bad_request)
+    open();
+    fake.setConfig({ 'completer.deadlineMs': 700_000 });
+    await new Promise((r) => setImmediate(r));
+    const texts = item.texts.length;
+    assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined);
+    id = completes(s).at(-1)?.id as string;
+    assert.equal((await wire(s, id)).done.code, 'bad_request');
+    assert.ok(item.texts.slice(texts).includes('$(loading~spin) completer'), `it spun: ${JSON.stringify(item.texts.slice(texts))}`);
+    assert.equal(item.text, '$(warning) completer: error');
+
+    // a timeout: completer.requestTimeoutMs overrides the deadline
+    open();
+    fake.setConfig({ 'completer.deadlineMs': 0, 'completer.requestTimeoutMs': 1 });
+    await new Promise((r) => setImmediate(r));
+    const sentAt = performance.now();
+    assert.equal(await fake.trigger(InlineCompletionTriggerKind.Invoke), undefined);
+    const waited = performance.now() - sentAt;
+    const timedOut = s.results.at(-1);
+    assert.equal(timedOut?.reason, 'timeout');
+    assert.ok(waited < 1_000, `given up after ${waited} ms`);
+    assert.ok(idle(), item.text);
+    assert.match(item.tooltip ?? '', /timeout: no answer from the server within 1 ms/);
+    assert.ok(fake.state.output.some((l) => l.includes(`request ${timedOut?.id}: timeout`)), fake.state.output.join('\n'));
+
+    // back to the default: deadline plus margin, and the server answers in time
+    open();
+    fake.setConfig({ 'completer.requestTimeoutMs': 0 });
+    await new Promise((r) => setImmediate(r));
+    await fake.trigger(InlineCompletionTriggerKind.Invoke);
+    assert.notEqual(s.results.at(-1)?.reason, 'timeout');
+    assert.ok(idle() && !item.text.includes('error'), item.text);
+  });
+
+  it('the server announces its deadlines (first request of a document, and the others) in its ready', async () => {
+    const s = await start();
+    const request = await waitFor(() => s.api.client.server?.request, 'the server\'s ready');
+    assert.equal(request.deadline_ms, 2000);
+    assert.equal(request.first_deadline_ms, 15000);
+  });
+
+  it('with the suggest widget open, the suggestion starts with its selected item, asked for as if it were inserted', async () => {
+    const s = await start({ 'completer.prime': false });
+    // The text before the cursor, the word typed so far, and the item the widget selected for it.
+    const cases: [string, string, string][] = [
+      ['import os\n\n\ndef read_lines(path):\n    with open(', 'pa', 'path'],
+      ['def area(width, height):\n    return ', 'wid', 'width'],
+      ['import sys\n\n\ndef main(argv):\n    args = ', 'sys.ar', 'sys.argv'],
+      ['import os\n\n\ndef main():\n    ', 'pri', 'print'],
+      ['class Stack:\n    def push(self, item):\n        ', 'se', 'self'],
+      ['for i in ', 'ra', 'range'],
+    ];
+    let n = 0;
+    for (const [before, typed, word] of cases) {
+      const editor = fake.open(`file:///proj/app/widget_${n++}.py`, 'python', `${before}${typed}|\n`);
+      const doc = editor.document;
+      const range = new Range(doc.positionAt(before.length), doc.positionAt(before.length + typed.length));
+      const selected = { range, text: word };
+      const items = await fake.trigger(InlineCompletionTriggerKind.Invoke, undefined, selected);
+      const request = completes(s).at(-1) as Msg;
+      assert.equal(request.document?.prefix, before + word, 'the prefix as if the item were inserted');
+      assert.equal(request.document?.suffix, '\n');
+      const { done } = await wire(s, request.id as string);
+      if (!items || items.length === 0) {
+        assert.equal(String(done.text).trim(), '', `a completion was not offered: ${JSON.stringify(done)}`);
+        fake.close(editor);
+        continue;
+      }
+      assert.equal(items[0].insertText, word + String(done.text));
+      for (const offered of items) {
+        assert.ok(offered.insertText.startsWith(word), offered.insertText);
+        assert.ok(offered.range?.start.isEqual(range.start) && offered.range.end.isEqual(range.end), 'over the item\'s range');
+      }
+      // Asked again with the widget still open (its item unchanged): the same, no request.
+      const requests = completes(s).length;
+      const again = await fake.trigger(InlineCompletionTriggerKind.Automatic, undefined, selected);
+      assert.deepEqual(again?.map((i) => i.insertText), items.map((i) => i.insertText));
+      // The item is inserted: the rest shows at once, without a request, and Tab takes it.
+      fake.acceptSuggestItem(editor, selected);
+      const after = await fake.trigger(InlineCompletionTriggerKind.Automatic);
+      assert.equal(after?.[0]?.insertText, done.text);
+      assert.equal(completes(s).length, requests, 'no request once the item is in');
+      await fake.commandsRun('editor.action.inlineSuggest.commit');
+      assert.equal(doc.getText(), `${before}${word}${String(done.text)}\n`);
+      assert.deepEqual(feedbackFor(s, request.id as string).map((m) => [m.accepted_chars, m.shown]),
+        [[[...String(done.text)].length, true]]);
+      return;
+    }
+    throw new Error(`no case gave a completion: ${JSON.stringify(s.received.filter((m) => m.type === 'done').map((m) => m.text))}`);
   });
 });

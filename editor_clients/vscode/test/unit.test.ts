@@ -16,7 +16,7 @@ import { Liveness } from '../src/liveness';
 import { PrivacyFilter, uriPath } from '../src/privacy';
 import { codePoints, codePointsBetween } from '../src/protocol';
 import { capPrefix, chooseMode, modeAt, nearbyText, nextLineIndent } from '../src/text';
-import { InFlightRequests, RequestTimeouts } from '../src/requests';
+import { DEFAULT_FIRST_DEADLINE_MS, InFlightRequests, requestWaitMs, RequestTimeouts } from '../src/requests';
 import { resolveToken } from '../src/token';
 import { FinishHow, keptChars, Shown, ShownTracker, TextSource } from '../src/tracker';
 
@@ -356,7 +356,8 @@ describe('request timeouts', () => {
     return performance.now() - started;
   };
   it("follows the server's default deadline when the request names none", async () => {
-    const waited = await timedOutAfter({ assumedDeadlineMs: 10_000, requestMarginMs: 20, serverDeadlineMs: 30 });
+    // (A document's first request on the connection: the first deadline, the same here; below, they differ.)
+    const waited = await timedOutAfter({ assumedDeadlineMs: 10_000, requestMarginMs: 20, serverDeadlineMs: 30, serverFirstDeadlineMs: 30 });
     assert.ok(waited >= 45 && waited < 2_000, `gave up after ${waited} ms`);
   });
   it("a request's own deadline_ms wins over the server's", async () => {
@@ -366,5 +367,86 @@ describe('request timeouts', () => {
   it('assumes a deadline when the server says none', async () => {
     const waited = await timedOutAfter({ assumedDeadlineMs: 40, requestMarginMs: 20 });
     assert.ok(waited >= 55 && waited < 2_000, `gave up after ${waited} ms`);
+  });
+});
+
+describe('the wait for a request (deadline plus margin, or the user\'s override)', () => {
+  const t = (over: Partial<RequestTimeouts> = {}): RequestTimeouts =>
+    ({ assumedDeadlineMs: 10_000, requestMarginMs: 2_000, serverDeadlineMs: 2_000, serverFirstDeadlineMs: 15_000, ...over });
+  it("follows the server's deadlines: longer for a document's first request, which prefills it cold", () => {
+    assert.equal(requestWaitMs(t(), undefined, false), 4_000);
+    assert.equal(requestWaitMs(t(), undefined, true), 17_000);
+    assert.equal(requestWaitMs(t({ serverFirstDeadlineMs: 30_000 }), undefined, true), 32_000);
+    assert.equal(requestWaitMs(t({ serverFirstDeadlineMs: undefined }), undefined, true), DEFAULT_FIRST_DEADLINE_MS + 2_000,
+      'a server that says its deadline but not the first one: its default');
+    assert.equal(requestWaitMs(t({ serverDeadlineMs: undefined, serverFirstDeadlineMs: undefined }), undefined, true), 12_000,
+      'a server too old to say: assumed');
+  });
+  it("a request's own deadline_ms, first or not; the user's override wins over everything", () => {
+    assert.equal(requestWaitMs(t(), 500, true), 2_500);
+    assert.equal(requestWaitMs(t(), 500, false), 2_500);
+    assert.equal(requestWaitMs(t({ overrideMs: 700 }), 500, true), 700);
+    assert.equal(requestWaitMs(t({ overrideMs: 700 }), undefined, false), 700);
+    assert.equal(requestWaitMs(t({ overrideMs: 0 }), undefined, false), 4_000, '0: no override');
+  });
+  it("times a document's first request on the connection by the first deadline, the next ones by the other", async () => {
+    const ends: string[] = [];
+    const requests = new InFlightRequests(() => undefined, (r) => ends.push(`${r.id}:${r.reason}`), () => undefined,
+      t({ serverDeadlineMs: 20, serverFirstDeadlineMs: 400, requestMarginMs: 20 }));
+    const doc = (uri: string) => ({ document: { uri, language: 'python', prefix: 'x = ', suffix: '' } });
+    const started = performance.now();
+    const first = requests.add(doc('file:///p/a.py'), {});
+    const second = requests.add({ ...doc('file:///p/a.py'), supersede: false }, {});
+    const secondEnd = await second.result;
+    assert.equal(secondEnd.reason, 'timeout');
+    assert.ok(performance.now() - started < 300, 'the second request: the short deadline');
+    assert.equal((await first.result).reason, 'timeout');
+    assert.ok(performance.now() - started >= 415, `the first: the first deadline (${performance.now() - started} ms)`);
+    requests.failAll('closed'); // a new connection: its server has seen no document
+    const again = performance.now();
+    assert.equal((await requests.add(doc('file:///p/a.py'), {}).result).reason, 'timeout');
+    assert.ok(performance.now() - again >= 415, 'first again on the next connection');
+  });
+});
+
+describe('requests generating a suggestion (the status bar\'s spinner)', () => {
+  const doc = (uri = 'file:///p/a.py') => ({ document: { uri, language: 'python', prefix: 'x = ', suffix: '' } });
+  const setup = (timeouts: Partial<RequestTimeouts> = {}) => {
+    const seen: number[] = [];
+    const sent: Record<string, unknown>[] = [];
+    const requests: InFlightRequests = new InFlightRequests((m) => sent.push(m), () => undefined, () => undefined,
+      { assumedDeadlineMs: 10_000, requestMarginMs: 2_000, ...timeouts }, () => seen.push(requests.generating));
+    return { requests, seen, sent };
+  };
+  it('counts completions in flight, not primes nor prefetches; each end, cancel or supersession takes one off', () => {
+    const { requests, seen } = setup();
+    const a = requests.add(doc(), {});
+    requests.add({ ...doc(), max_tokens: 0, supersede: false }, { purpose: 'prime' });
+    requests.add({ ...doc('file:///p/b.py'), supersede: false }, { purpose: 'speculative' });
+    assert.equal(requests.generating, 1);
+    requests.add(doc(), {}); // supersedes `a` on the server: nobody waits for `a` any more
+    assert.equal(requests.generating, 1);
+    assert.deepEqual(seen, [1, 1, 1, 1]);
+    requests.onFrame({ type: 'done', id: a.id, reason: 'cancelled', text: '' });
+    const c = requests.add(doc('file:///p/c.py'), {});
+    assert.equal(requests.generating, 2);
+    c.cancel(); // the user moved on: off at once, before the server's `done`
+    assert.equal(requests.generating, 1);
+    requests.onFrame({ type: 'error', id: '4', code: 'internal', message: 'x' }); // the second completion ends in an error
+    assert.equal(requests.generating, 0);
+    assert.deepEqual(seen.slice(-3), [2, 1, 0]);
+    requests.add(doc('file:///p/d.py'), {});
+    requests.failAll('gone'); // disconnected
+    assert.equal(requests.generating, 0);
+    assert.equal(seen.at(-1), 0);
+  });
+  it('a request that times out stops generating', async () => {
+    const { requests, seen, sent } = setup({ overrideMs: 30 });
+    const r = requests.add(doc(), {});
+    assert.equal(requests.generating, 1);
+    assert.equal((await r.result).reason, 'timeout');
+    assert.equal(requests.generating, 0);
+    assert.equal(seen.at(-1), 0);
+    assert.deepEqual(sent.at(-1), { type: 'cancel', id: r.id }, 'and the server is told');
   });
 });

@@ -2,8 +2,9 @@
 -- the server URL and the bearer token.
 local M = {}
 
--- Files never sent, as a document or as context: secrets. A glob with a `/`
--- matches the whole path, one without the file's name (case-insensitive).
+-- Files never sent, as a document or as context: secrets, always excluded
+-- unless `exclude_sensitive_files = false`; `exclude` adds to them. A glob with
+-- a `/` matches the whole path, one without the file's name (case-insensitive).
 M.SECRETS = {
   -- The same list, in the same order, as the VS Code extension's (src/privacy.ts's
   -- SENSITIVE_GLOBS); tests/test_secret_patterns.py holds the two to it.
@@ -38,7 +39,8 @@ M.defaults = {
   stop = nil, -- extra stop strings (a list)
   max_lines = 2000, -- at least this many lines sent before and after the cursor (0: the whole buffer)
   filetypes = { ['*'] = true, help = false, gitcommit = false, gitrebase = false, TelescopePrompt = false },
-  exclude = M.SECRETS, -- path globs never sent (replacing the list drops these defaults)
+  exclude = {}, -- more path globs never sent, besides the secrets (M.SECRETS)
+  exclude_sensitive_files = true, -- false: the secrets list no longer applies (only `exclude` does)
   include = nil, -- a list of path globs: only matching files are completed and sent as context
   type_through = true, -- typing what the ghost text begins with consumes it (no new request)
   cache_size = 256, -- recent completions kept for backspace-and-retype and revisits (0: none)
@@ -68,7 +70,7 @@ M.defaults = {
   connect_timeout_ms = 3000,
   silence_ms = 25000, -- this long without a frame from the server: ping it (it pings every 20 s)
   pong_timeout_ms = 5000, -- no answer to that ping within this: the connection is dead, reconnect
-  request_timeout_margin_ms = 2000, -- a request past its deadline (or 2 s) plus this is given up
+  request_timeout_margin_ms = 2000, -- a request past its deadline (the server's, or deadline_ms) plus this is given up
   latency_records = 1000, -- per-request timings kept for require('completer').latency()
 }
 
@@ -76,6 +78,7 @@ M.defaults = {
 local OPTIONAL = {
   token = 'string', token_file = 'string', tls_ca_file = 'string', debounce_ms = 'number', max_tokens = 'number', temperature = 'number',
   deadline_ms = 'number', stop = 'table', include = 'table',
+  request_timeout_ms = 'number', -- give a request up this long after it was sent (nil: its deadline plus the margin)
 }
 
 local islist = vim.islist or vim.tbl_islist -- vim.tbl_islist is deprecated from 0.10 on

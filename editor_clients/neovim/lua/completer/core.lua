@@ -4,6 +4,7 @@
 -- init.lua wires these to autocommands; accept.lua holds the accept keys,
 -- replies.lua what the server sends back.
 local ghost = require('completer.ghost')
+local indicator = require('completer.indicator')
 local text = require('completer.text')
 local privacy = require('completer.privacy')
 local api, uv = vim.api, vim.loop
@@ -173,6 +174,7 @@ function M.dismiss()
     M.cancel(req)
     M.finish(req)
   end
+  indicator.update()
 end
 
 local function new_request(kind, snap)
@@ -220,6 +222,34 @@ function M.server_deadline_ms()
   if type(d) == 'number' and d > 0 and d < math.huge then return d end
 end
 
+--- How long a request for `uri` is waited for before it is given up (ms):
+--- `request_timeout_ms` if set, else its deadline plus the margin. The
+--- deadline: `deadline_ms`, else the server's default (its ready's
+--- request.deadline_ms, 2 s if it says none), or for the document's first
+--- request on this connection its first deadline (request.first_deadline_ms,
+--- 15 s if it says none), which covers a cold prefill of the whole document.
+function M.wait_ms(uri)
+  local c = S.cfg
+  if c.request_timeout_ms and c.request_timeout_ms > 0 then return c.request_timeout_ms end
+  local seen = S.sent_for
+  if not seen or seen.client ~= S.client or seen.conn ~= S.client.connects then
+    seen = { client = S.client, conn = S.client.connects, uris = {} } -- a new connection: its server knows no document
+    S.sent_for = seen
+  end
+  local first = not seen.uris[uri]
+  seen.uris[uri] = true
+  local deadline = c.deadline_ms
+  if not deadline then
+    deadline = M.server_deadline_ms() or 2000
+    if first then
+      local server = S.client.server
+      local f = type(server) == 'table' and type(server.request) == 'table' and server.request.first_deadline_ms
+      deadline = math.max(deadline, (type(f) == 'number' and f > 0 and f < math.huge) and f or 15000)
+    end
+  end
+  return deadline + c.request_timeout_margin_ms
+end
+
 local function send(kind, doc_snap, snap, extra_prefix, n)
   local c = S.cfg
   local req = new_request(kind, snap)
@@ -247,7 +277,7 @@ local function send(kind, doc_snap, snap, extra_prefix, n)
   end
   req.t_send = now() -- before the write: the server's ttft interval lies inside send..shown
   -- Past its deadline plus a margin a request is given up, and the connection probed.
-  req.timeout_at = req.t_send + ((c.deadline_ms or M.server_deadline_ms() or 2000) + c.request_timeout_margin_ms) * 1e6
+  req.timeout_at = req.t_send + M.wait_ms(doc.uri) * 1e6
   if not S.client:send(msg) then return nil end
   S.requests[req.id] = req
   require('completer.replies').watch_timeouts() -- (replies requires this module)
@@ -264,6 +294,7 @@ function M.request_now(snap, t_key, n)
   S.counts.sent = S.counts.sent + 1
   req.t_key, req.t_trigger = t_key, now()
   S.req = req
+  indicator.update()
   return req
 end
 
@@ -332,6 +363,7 @@ function M.serve(snap, t_key)
     S.spec = nil
     spec.kind, spec.served, spec.t_key, spec.t_trigger = 'complete', true, t_key, now()
     S.req = spec
+    indicator.update()
     M.render(spec, snap)
     return true
   end

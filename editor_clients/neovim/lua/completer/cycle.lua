@@ -123,6 +123,7 @@ function M.cycle(dir)
   if not creq then return end
   creq.parent = req
   req.cycle = { req = creq, at = req.consumed, accepted = req.accepted, orig_text = req.text, dir = dir }
+  require('completer.indicator').update() -- generating the candidates
 end
 
 --- Before the feedback of `req` (the completion shown) is sent: settle

@@ -81,9 +81,7 @@ end
 -- the loaded buffer if there is one (unsaved edits), else from the file.
 function D:snippet(uri, line)
   local fname = vim.uri_to_fname(uri)
-  for _, g in ipairs(self.cfg.exclude or {}) do
-    if privacy.match(g, fname) then return nil end
-  end
+  if privacy.excluded(fname, self.cfg) then return nil end
   local cc = self.cfg.context
   local lines
   local b = vim.fn.bufnr(fname)

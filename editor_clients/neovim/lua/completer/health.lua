@@ -97,7 +97,11 @@ function M.check()
       r.warn('unknown options (ignored): ' .. table.concat(unknown, ', '), { ':help completer-options' })
     end
     r.info(('%s; %d excluded path globs%s; context %s'):format(completer.is_enabled() and 'enabled' or 'disabled',
-      #cfg.exclude, cfg.exclude_gitignored and ' and files git ignores' or '', cfg.context.enabled and 'on' or 'off'))
+      #require('completer.privacy').excluded_globs(cfg), cfg.exclude_gitignored and ' and files git ignores' or '',
+      cfg.context.enabled and 'on' or 'off'))
+    if cfg.exclude_sensitive_files == false then
+      r.warn('exclude_sensitive_files = false: .env files, keys and credentials may be sent to the server')
+    end
     local snoozed = completer.snoozed()
     if cfg.trigger == 'manual' then
       r.info('trigger manual: completions only on :CompleterSuggest or keymaps.suggest')

@@ -6,6 +6,7 @@
 local config = require('completer.config')
 local core = require('completer.core')
 local ghost = require('completer.ghost')
+local indicator = require('completer.indicator')
 local keymaps = require('completer.keymaps')
 local replies = require('completer.replies')
 local privacy = require('completer.privacy')
@@ -112,21 +113,27 @@ function M.status()
 end
 
 --- A short word for a statusline: 'off', 'offline', 'excluded' (this
---- buffer is not sent), 'busy' (waiting for the server), 'snoozed 14m'
---- (:CompleterSnooze, minutes left), 'manual' (trigger 'manual') or 'ready';
---- with the prefix given (default 'completer: ').
+--- buffer is not sent), 'generating' (the server is generating the
+--- completion asked for), 'snoozed 14m' (:CompleterSnooze, minutes left),
+--- 'manual' (trigger 'manual') or 'ready'; with the prefix given (default
+--- 'completer: ').
 function M.statusline(prefix)
   prefix = prefix or 'completer: '
   if not S.cfg or not S.enabled then return prefix .. 'off' end
   if not S.client:is_open() then return prefix .. 'offline' end
   if not core.allowed(api.nvim_get_current_buf()) then return prefix .. 'excluded' end
-  local req = S.req
-  if (req and not req.done) or S.pending_key then return prefix .. 'busy' end
+  if indicator.generating() then return prefix .. 'generating' end
   local snoozed = core.snoozed()
   if snoozed then return prefix .. ('snoozed %dm'):format(math.ceil(snoozed)) end
   if S.cfg.trigger == 'manual' then return prefix .. 'manual' end
   return prefix .. 'ready'
 end
+
+--- True while the server generates the completion asked for (shown, or to
+--- be shown as it streams in); false once it is done, failed, cancelled,
+--- timed out or lost. Each change also sets g:completer_generating and fires
+--- `User CompleterGenerating`.
+M.generating = indicator.generating
 
 --- True while a keystroke waits for its debounce or the completion shown is
 --- still streaming (tests wait on it).
@@ -246,6 +253,7 @@ function M.setup(opts)
     S.client:stop()
   end
   S.requests, S.req, S.spec, S.prime_unsupported = {}, nil, nil, nil
+  indicator.update()
   S.cfg, S.opts = cfg, opts or {}
   S.timer = S.timer or uv.new_timer()
   S.debounce = Debounce.new(cfg.debounce_min_ms, cfg.debounce_max_ms)

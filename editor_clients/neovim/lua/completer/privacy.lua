@@ -1,9 +1,11 @@
 -- Which buffers may be sent to the server, as the document of a request or as
 -- context for another one: not special buffers, not filetypes switched off,
--- not files whose path matches an `exclude` glob (secrets by default: .env,
--- keys, certificates, credentials), only those matching `include` when it is
--- set, not a buffer whose b:completer_enabled is false, and, with
--- `exclude_gitignored`, not a file git ignores.
+-- not files whose path matches a secrets glob (config.SECRETS: .env, keys,
+-- certificates, credentials; unless exclude_sensitive_files is false) or an
+-- `exclude` glob, only those matching `include` when it is set, not a buffer
+-- whose b:completer_enabled is false, and, with `exclude_gitignored`, not a
+-- file git ignores.
+local config = require('completer.config')
 local api = vim.api
 
 local M = {}
@@ -61,6 +63,12 @@ local function any(globs, path)
   end
 end
 
+--- The glob that excludes the file at `path` (absolute): one of the secrets
+--- (unless exclude_sensitive_files is false), else one of `exclude`; nil if none.
+function M.excluded(path, cfg)
+  return (cfg.exclude_sensitive_files ~= false and any(config.SECRETS, path)) or any(cfg.exclude, path)
+end
+
 --- Why `buf` must not be sent (a short reason), or nil when it may be.
 function M.blocked(buf, cfg)
   if not api.nvim_buf_is_valid(buf) then return 'invalid buffer' end
@@ -76,12 +84,19 @@ function M.blocked(buf, cfg)
   local name = api.nvim_buf_get_name(buf)
   if name ~= '' then
     local path = vim.fn.fnamemodify(name, ':p')
-    local g = any(cfg.exclude, path)
+    local g = M.excluded(path, cfg)
     if g then return 'excluded by ' .. g end
     if cfg.include and #cfg.include > 0 and not any(cfg.include, path) then return 'not in include' end
     if cfg.exclude_gitignored and M.git_ignored(path) then return 'ignored by git' end
   end
   return nil
+end
+
+--- Every glob that excludes a file: the secrets (unless switched off), then `exclude`.
+function M.excluded_globs(cfg)
+  local out = cfg.exclude_sensitive_files ~= false and vim.deepcopy(config.SECRETS) or {}
+  for _, g in ipairs(cfg.exclude or {}) do out[#out + 1] = g end
+  return out
 end
 
 --- True when a completion may be asked for in `buf` (it must also be editable).

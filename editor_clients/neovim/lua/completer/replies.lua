@@ -2,6 +2,7 @@
 -- and requests given up past their deadline.
 local core = require('completer.core')
 local ghost = require('completer.ghost')
+local indicator = require('completer.indicator')
 local uv = vim.loop
 
 local M = {}
@@ -65,6 +66,7 @@ function M.on_message(msg, recv_ns)
     if S.req == req then core.refresh() end
     -- (A cycle's request is finished with the completion it was asked for.)
     if req.finish_pending or (S.req ~= req and S.spec ~= req and not req.parent) then core.finish(req) end
+    indicator.update()
   end
 end
 
@@ -78,6 +80,7 @@ function M.on_disconnect()
   end
   S.requests, S.spec, S.primed = {}, nil, {}
   S.prime_unsupported = nil -- the next server may be newer
+  indicator.update()
 end
 
 -- Requests past their deadline plus a margin are given up: the server should
@@ -96,6 +99,7 @@ function M.check_timeouts()
       S.client:probe()
     end
   end
+  indicator.update()
   if next(S.requests) == nil and S.timeout_timer then S.timeout_timer:stop() end
 end
 
