@@ -48,7 +48,7 @@ end
 -- The same over TLS, through `openssl s_client` as the plugin connects (its
 -- certificate checks included): the status line, or nil and why.
 local function healthz_tls(url, cfg, timeout_ms)
-  local args = require('completer.websocket').openssl_args(url.host, url.port, cfg.tls_ca_file)
+  local args = require('completer.tls').openssl_args(url.host, url.port, cfg.tls_ca_file)
   local out, err = {}, {}
   local ok, job = pcall(vim.fn.jobstart, vim.list_extend({ cfg.openssl }, args), {
     on_stdout = function(_, data) vim.list_extend(out, data) end,

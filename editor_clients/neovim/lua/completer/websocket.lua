@@ -4,11 +4,7 @@
 -- Callbacks run on Neovim's main loop (vim.schedule), never in a fast event.
 -- `heard_ms` is when the last bytes came in (any frame: data, ping, pong), so
 -- the client above can tell a silent, half-open connection from a live one.
---
--- wss://: Neovim's libuv has no TLS, so the bytes go through an `openssl
--- s_client` process (its stdin and stdout are the socket), which checks the
--- server's certificate and its name and refuses the connection otherwise.
--- It exists wherever OpenSSL does, on every Neovim version.
+-- wss://: the bytes go through an `openssl s_client` process (tls.lua).
 local bit = require('bit')
 local sha1 = require('completer.sha1')
 local uv = vim.loop
@@ -135,80 +131,8 @@ function Conn:_connect(addr)
   if not ok then self:_fail('cannot connect: ' .. tostring(err)) end
 end
 
---- The arguments of `openssl s_client` for this connection: verify the
---- chain (against ca_file, else the system's CAs) and the host's name (or
---- IP address), and give up on a certificate that fails (by default
---- s_client only reports it and goes on). -quiet: nothing but the server's
---- bytes on stdout; -no_ign_eof: the connection ends when Neovim does (its
---- end of our pipe closes); -nocommands: a frame that starts with Q, R or
---- K is data, not an s_client command.
-function M.openssl_args(host, port, ca_file)
-  local ip = host:match('^%d+%.%d+%.%d+%.%d+$') or host:find(':', 1, true)
-  local connect = (host:find(':', 1, true) and ('[' .. host .. ']') or host) .. ':' .. port
-  local args = { 's_client', '-quiet', '-no_ign_eof', '-nocommands', '-verify_return_error', '-connect', connect }
-  if ip then
-    vim.list_extend(args, { '-verify_ip', host })
-  else
-    vim.list_extend(args, { '-verify_hostname', host, '-servername', host })
-  end
-  if ca_file then vim.list_extend(args, { '-CAfile', vim.fn.expand(ca_file) }) end
-  return args
-end
-
--- What went wrong, from s_client's stderr, in one line a user can act on.
-local function tls_error(stderr, code, ca_file)
-  local verify = stderr:match('verify error:num=%d+:([^\r\n]*)')
-    or stderr:match('[Cc]ertificate verify failed[^\r\n]*')
-  if verify then
-    return ('TLS: the server\'s certificate did not verify (%s)%s'):format(verify,
-      ca_file and (' against tls_ca_file ' .. ca_file) or '; set tls_ca_file to the CA that signed it')
-  end
-  local last = stderr:gsub('%s+$', ''):match('([^\r\n]*)$') or ''
-  if stderr:find('connect:errno', 1, true) or stderr:find('Connection refused', 1, true) then
-    return 'cannot connect: ' .. last
-  end
-  return ('TLS: openssl s_client failed (exit %s)%s'):format(tostring(code), last ~= '' and (': ' .. last) or '')
-end
-
 function Conn:_connect_tls()
-  local tls = self.opts.tls
-  local stdin, stdout, stderr = uv.new_pipe(false), uv.new_pipe(false), uv.new_pipe(false)
-  self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
-  local errors = {}
-  local handle, pid
-  handle, pid = uv.spawn(tls.openssl or 'openssl', {
-    args = M.openssl_args(self.opts.host, self.opts.port, tls.ca_file),
-    stdio = { stdin, stdout, stderr },
-  }, function(code)
-    -- Before the upgrade's answer: the TLS handshake (or the connect) failed.
-    -- After it, the server (or the network) ended the connection. Let the
-    -- last of stderr come in first.
-    self.proc_exit = code
-    if not handle:is_closing() then handle:close() end -- (closed once exited: libuv has reaped it)
-    vim.defer_fn(function()
-      if self.state == 'connecting' then
-        self:_fail(tls_error(table.concat(errors), code, tls.ca_file))
-      else
-        self:_fail('connection lost (openssl exited with ' .. tostring(code) .. ')')
-      end
-    end, 50)
-  end)
-  if not handle then
-    -- (pid holds the error: ENOENT when the command does not exist)
-    for _, p in ipairs({ stdin, stdout, stderr }) do p:close() end
-    self.stdin, self.stdout, self.stderr = nil, nil, nil
-    return self:_fail(('wss:// needs the openssl command to carry TLS, and %s cannot run (%s); install OpenSSL '
-      .. 'or set the openssl option to its path'):format(tls.openssl or 'openssl', tostring(pid)))
-  end
-  self.proc = handle
-  stderr:read_start(function(_, chunk) if chunk then errors[#errors + 1] = chunk end end)
-  stdout:read_start(function(rerr, chunk)
-    if not chunk and not rerr then return end -- EOF: the exit callback says why
-    self:_on_read(rerr, chunk)
-  end)
-  -- s_client reads its stdin once the TLS handshake is done: the request
-  -- waits in the pipe until then.
-  stdin:write(self:_upgrade_request())
+  require('completer.tls').connect(self)
 end
 
 -- Every handler call goes through here, in order, on the main loop.
