@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 from editors import keep_reading_log  # noqa: E402
 from keystrokes import corpus_files  # noqa: E402
-from reliability import machine, now  # noqa: E402
+from run_results import machine, now  # noqa: E402
 from replay import ReplayOptions, replay, summarize, traces  # noqa: E402
 from server_harness import TOKEN, running_server  # noqa: E402
 

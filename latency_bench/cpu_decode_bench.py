@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llama_peer  # noqa: E402
 from engine_bench import median  # noqa: E402
-from reliability import machine, now  # noqa: E402
+from run_results import machine, now  # noqa: E402
 from replay import prompt_states  # noqa: E402
 
 from completer.cpu_quant import Int4Linear, Int8Linear  # noqa: E402

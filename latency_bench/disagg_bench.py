@@ -60,7 +60,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from editors import keep_reading_log  # noqa: E402
-from reliability import machine, now  # noqa: E402
+from run_results import machine, now  # noqa: E402
 from server_harness import TOKEN, ServerProcess, complete_msg, connect, running_server  # noqa: E402
 
 from completer.checkpoint import load_tokenizer  # noqa: E402

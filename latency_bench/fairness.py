@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from editors import answered_as, keep_reading_log, percentile_ms
-from reliability import FairnessResult, Phase, machine, now
+from run_results import FairnessResult, Phase, machine, now
 from server_harness import ServerProcess, collect, complete_msg, connect, running_server
 
 from completer.evaluate import heldout_files

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import llama_peer  # noqa: E402
 from editors import keep_reading_log  # noqa: E402
 from keystrokes import corpus_files  # noqa: E402
-from reliability import machine, now  # noqa: E402
+from run_results import machine, now  # noqa: E402
 from replay import ReplayOptions, prompt_states, replay, summarize, traces  # noqa: E402
 from server_harness import TOKEN, running_server  # noqa: E402
 

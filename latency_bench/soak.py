@@ -62,8 +62,9 @@ from websockets.exceptions import ConnectionClosed
 from editors import Book, Conn, answered_as, editor, keep_reading_log, long_prompts, percentile_ms
 from fairness import run_fairness
 from http_editors import http_editor
-from reliability import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult,
-                         fairness_section, machine, now, soak_section, violations)
+from reliability import fairness_section, soak_section
+from run_results import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult, machine, now,
+                         violations)
 from stress import SideLoads, inject, memory
 
 ROOT = Path(__file__).resolve().parents[1]

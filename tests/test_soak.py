@@ -103,7 +103,7 @@ def test_the_new_invariants_break_on_an_http_request_without_json_kv_held_past_5
     # The verdict's own logic, on the soak's result with one thing at a time gone wrong.
     import msgspec
 
-    from reliability import Fault, violations
+    from run_results import Fault, violations
 
     assert violations(result) == []
     replace = msgspec.structs.replace
