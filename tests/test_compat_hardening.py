@@ -157,6 +157,29 @@ def test_a_body_sent_a_byte_at_a_time_gets_a_408_after_the_body_timeout(server):
     assert took < BODY_S + 2.5, took
 
 
+@pytest.mark.parametrize("refusal", ["host", "token"])
+def test_a_request_refused_before_its_body_is_read_gets_one_answer_and_the_connection_closes(server, refusal):
+    """Found by fuzz_http at 100,000 requests: a 403 (foreign Host) or 401
+    answered before the body was read, of a request whose body was shorter
+    than its Content-Length: aiohttp lingered for the rest, and the connection
+    then got a 408 for "headers" that never ended: two answers to one request.
+    A refusal before the body is read closes the connection instead."""
+    head = post_head(server.compat, "/infill", 300_000, auth=b"" if refusal == "token" else None)
+    if refusal == "host":
+        head = head.replace(f"Host: 127.0.0.1:{server.compat}".encode(), b"Host: evil.example")
+    with socket.create_connection(("127.0.0.1", server.compat)) as sock:
+        sock.sendall(head + b"x" * 1000)
+        time.sleep(0.5)  # the refusal is out; more of the body comes after it, the rest never
+        try:
+            sock.sendall(b"x" * 1000)
+        except OSError:  # closed by the server: what it said is in the socket
+            pass
+        took, data = closed_within(sock, HEADER_S + 10)
+    assert data.startswith(b"HTTP/1.1 403 " if refusal == "host" else b"HTTP/1.1 401 "), data[:80]
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    assert took < HEADER_S + 1.5, took  # not left open either
+
+
 def test_a_kept_alive_connection_is_closed_when_idle_and_the_cap_makes_room_for_new_ones(server):
     idle = [socket.create_connection(("127.0.0.1", server.compat)) for _ in range(8)]  # compat.max_connections
     try:

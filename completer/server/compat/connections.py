@@ -33,7 +33,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-Phase = str  # "idle", "headers", "busy"
+Phase = str  # "idle", "headers", "busy", "lingering" (answered; the rest of its body may still come)
 
 
 def raw_error(status: int, reason: str, message: str) -> bytes:
@@ -142,6 +142,14 @@ class ConnectionGuard:
         if conn is not None:
             conn.phase, conn.since = "idle", time.monotonic()
 
+    @staticmethod
+    def lingering(conn: Connection | None) -> None:
+        """Answered before its body was read (a refusal): the bytes that come
+        next are that body, which aiohttp reads and drops; closed without a
+        word after `header_timeout_s` unless a next request starts."""
+        if conn is not None:
+            conn.phase, conn.since = "lingering", time.monotonic()
+
     async def sweep(self) -> None:
         tick = max(0.05, min(self.header_timeout_s, self.idle_timeout_s) / 4)
         late = raw_error(408, "Request Timeout", f"the request's headers took over {self.header_timeout_s:g} s "
@@ -154,6 +162,8 @@ class ConnectionGuard:
                     conn.expire(None)
                 elif conn.phase == "headers" and now - conn.since > self.header_timeout_s:
                     conn.expire(late)
+                elif conn.phase == "lingering" and now - conn.since > self.header_timeout_s:
+                    conn.expire(None)
 
     def close(self) -> None:
         if self.sweeper is not None:

@@ -147,7 +147,12 @@ class CompatServer:
             log.exception("compat: %s %s failed", request.method, request.path)
             response = error_response(500, f"internal error ({type(e).__name__})")
         finally:
-            self.connections.done(connection)
+            if request.body_exists and not request.content.is_eof():
+                # Answered before its body was read: aiohttp lingers to take the rest, which is
+                # that body, not a next request to time out with a second answer (a 408).
+                self.connections.lingering(connection)
+            else:
+                self.connections.done(connection)
         self.app.metrics.count_route(route, str(response.status))
         return response
 
