@@ -302,18 +302,22 @@ LONG = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "    ", "n_pre
 
 
 def test_a_client_that_disconnects_mid_generation_is_cancelled_and_frees_its_blocks(server):
-    before = wait_for(server, lambda f: f["running"] == 0 and f["blocks"] == 0, 30)
-    assert before["running"] == 0 and before["blocks"] == 0, before
-    sock = open_request(server.compat, "/infill", LONG)
-    busy = wait_for(server, lambda f: f["running"] == 1 and f["blocks"] > 0, 60)
-    assert busy["running"] == 1 and busy["blocks"] > 0, busy
-    time.sleep(0.5)  # decoding now (900 tokens under a 120 s deadline: minutes, left alone)
-    sock.close()
-    dropped = time.monotonic()
-    # (the route's count comes when the handler's cancellation reaches the guard, which may be
-    # a moment after the engine let the request go: the suite once scraped in between)
-    after = wait_for(server, lambda f: f["running"] == 0 and f["blocks"] == 0 and f["in_flight"] == 0
-                     and f["disconnected"] > before["disconnected"], 10)
+    # The embedded model may write the whole window's worth before the socket closes (it then
+    # ends `length`, nothing to cancel): the client leaves as soon as its request runs, and a
+    # request that finished first is tried again.
+    for _ in range(3):
+        before = wait_for(server, lambda f: f["running"] == 0 and f["blocks"] == 0, 30)
+        assert before["running"] == 0 and before["blocks"] == 0, before
+        sock = open_request(server.compat, "/infill", LONG)
+        busy = wait_for(server, lambda f: f["running"] == 1 and f["blocks"] > 0, 60)
+        assert busy["running"] == 1 and busy["blocks"] > 0, busy
+        sock.close()
+        dropped = time.monotonic()
+        # (the route's count comes when the handler's cancellation reaches the guard)
+        after = wait_for(server, lambda f: f["running"] == 0 and f["blocks"] == 0 and f["in_flight"] == 0
+                         and f["disconnected"] > before["disconnected"], 10)
+        if after["disconnected"] > before["disconnected"]:
+            break
     assert after["running"] == 0 and after["blocks"] == 0 and after["in_flight"] == 0, after
     assert time.monotonic() - dropped < 5
     assert after["disconnected"] == before["disconnected"] + 1
