@@ -37,8 +37,8 @@ def test_the_context_evaluation_reports_each_site_with_the_windows_retrieval_pla
     (row,), sites = context_rows(args, target, None)
     assert row.sites == len(sites) == 4 and row.with_context == sum(bool(s.context_files) for s in sites)
     assert row.exact_match_retrieved == sum(s.retrieved == s.expected for s in sites) / 4
+    _, files = heldout_files("pip", own_code_only=True)
     for s in sites:
-        _, files = heldout_files("pip", own_code_only=True)
         text = next(f.text for f in files if f.path == s.path)
         assert text.split("\n")[s.line - 1].strip() == s.expected.strip()
         # every placed window comes from a file the site's client sent
