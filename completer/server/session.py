@@ -190,7 +190,7 @@ class Session:
             current.clear()
         current.add(msg.id)
         self.document_of[msg.id] = uri
-        task = asyncio.create_task(self.relay(msg, stream, received))
+        task = asyncio.create_task(self.relay(msg, stream, received, request.params.priming))
         self.inflight[msg.id] = task
         task.add_done_callback(lambda _: self.release(msg.id, task))
 
@@ -206,7 +206,7 @@ class Session:
             if not current:
                 del self.current[uri]
 
-    async def relay(self, msg: Complete, stream: RequestStream, received: float) -> None:
+    async def relay(self, msg: Complete, stream: RequestStream, received: float, priming: bool) -> None:
         app, request_id = self.app, msg.id
         try:
             async for delta in stream:
@@ -222,7 +222,6 @@ class Session:
             return
         done = stream.result
         self.release(request_id)
-        priming = msg.max_tokens == 0
         if not priming:  # remembered before sending: the client may answer `done` with feedback at once
             self.remember_offered(request_id, (done.text, *done.candidates))
         # `candidates` only for a client that asked for them (an older one never sees the field).
