@@ -52,14 +52,12 @@ struct Q4Matrix {
   Layout layout;
 };
 
-// Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x,
-// q128 128 * the sum of qx (what the 8-bit tiles' unsigned weights add). Or (q8 false) kept in
-// fp32, with the sums.
+// Activations of m rows quantized per block of 32: qx int8, dx its scale, sx the exact sum of x.
+// Or (q8 false) kept in fp32, with the sums.
 struct Activations {
   bool q8 = false;
   std::vector<int8_t> q;
   std::vector<float> d, s, f;
-  std::vector<int32_t> q128;
   int64_t m = 0, k = 0;
 
   void quantize(const float* x, int64_t rows, int64_t width) {
@@ -78,7 +76,6 @@ struct Activations {
     }
     q.resize(rows * width);
     d.resize(rows * g);
-    q128.resize(rows * g);
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i < rows * g; ++i) {  // a block is two vectors
@@ -93,9 +90,6 @@ struct Activations {
                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
       d[i] = scale;
       s[i] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-      int32_t total = 0;
-      for (int j = 0; j < QK; ++j) total += q[i * QK + j];
-      q128[i] = 128 * total;
     }
 #endif
     for (; i < rows * g; ++i) {
@@ -108,11 +102,9 @@ struct Activations {
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
       int8_t* qb = q.data() + i * QK;
-      int32_t total = 0;
-      for (int j = 0; j < QK; ++j) total += qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      for (int j = 0; j < QK; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
       d[i] = scale;
       s[i] = sum;
-      q128[i] = 128 * total;
     }
   }
 };
@@ -270,8 +262,8 @@ inline __m512i broadcast4(const int8_t* p) {
 // R quantized activation rows against one tile (16 weight rows): y[r, 0..15].
 // 4-bit tiles (INT8 false): per block d * dx * sum(q qx) + m * sum(x), q unsigned, qx signed.
 // 8-bit tiles (the int8 model's weights w, a scale per row): the tile holds w + 128, so a
-// block's sum(w qx) is dpbusd's sum minus 128 * sum(qx) (the activations' q128); the row's
-// scale multiplies once at the end.
+// block's sum(w qx) is dpbusd's sum minus 128 * sum(qx) (q128, per activation block, made by
+// gemm_tiled for 8-bit tiles only); the row's scale multiplies once at the end.
 template <bool INT8, int R>
 inline void tile_rows_q8(const uint8_t* tile, const int8_t* qx, const float* dx, const float* sx, const int32_t* q128,
                          int64_t k, float* y, int64_t y_stride, const float* bias) {
@@ -325,6 +317,15 @@ template <bool INT8>
 void gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
   const int64_t blocks = w.k / QK, tiles = w.n / TILE_ROWS;
   const int64_t tile_bytes = INT8 ? 64 + blocks * I8_TILE_BYTES : blocks * TILE_BYTES;
+  std::vector<int32_t> q128_all;  // 128 * each activation block's sum: what the 8-bit tiles' w + 128 add
+  if constexpr (INT8) {
+    q128_all.resize(x.m * blocks);
+    for (int64_t i = 0; i < x.m * blocks; ++i) {
+      int32_t total = 0;
+      for (int j = 0; j < QK; ++j) total += x.q[i * QK + j];
+      q128_all[i] = 128 * total;
+    }
+  }
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * workers.threads()));
   workers.run(tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -333,7 +334,7 @@ void gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float
       for (int64_t r = 0; r < x.m;) {
         const int8_t* q = x.q.data() + r * w.k;
         const float *d = x.d.data() + r * blocks, *s = x.s.data() + r * blocks;
-        const int32_t* q128 = x.q128.data() + r * blocks;
+        const int32_t* q128 = INT8 ? q128_all.data() + r * blocks : nullptr;
         float* out = y + r * w.n + t * TILE_ROWS;
         switch (std::min<int64_t>(4, x.m - r)) {
           case 4: tile_rows_q8<INT8, 4>(tile, q, d, s, q128, w.k, out, w.n, bias); r += 4; break;
