@@ -117,7 +117,7 @@ class GgufFile:
             raise _error(self.path, f"unsupported rope scaling type {kind!r}")
         rope = None if kind == "none" else RopeScaling(
             rope_type=kind, factor=self.get(key("rope.scaling.factor"), 1.0),
-            original_max_position_embeddings=self.get(key("rope.scaling.original_context_length"), 0))
+            original_max_position_embeddings=self.get(key("rope.scaling.original_context_length")))
         return ModelConfig(
             architecture=ARCHITECTURES[arch],
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),  # ggml order: [width, rows]

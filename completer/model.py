@@ -25,7 +25,7 @@ class RopeScaling(msgspec.Struct, frozen=True):
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 0
+    original_max_position_embeddings: int | None = None  # None: the model's max_position_embeddings
     beta_fast: float = 32.0
     beta_slow: float = 1.0
 
@@ -97,8 +97,8 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq.float()
     if s.rope_type == "linear":
         return (inv_freq / s.factor).float()
+    old_len = s.original_max_position_embeddings or cfg.max_position_embeddings
     if s.rope_type == "llama3":
-        old_len = s.original_max_position_embeddings
         low_wavelen = old_len / s.low_freq_factor
         high_wavelen = old_len / s.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -108,7 +108,6 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled).float()
     if s.rope_type == "yarn":
-        old_len = s.original_max_position_embeddings or cfg.max_position_embeddings
 
         def dim_for_rotations(n: float) -> float:
             return dim * math.log(old_len / (n * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))

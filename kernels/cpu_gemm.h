@@ -127,6 +127,26 @@ inline float hsum256(__m256 v) {
 }
 #endif
 
+// Both rows below without SIMD: per block d * dx * sum(q x) + m * sx, where
+// dx is the activation block's scale (none for fp32 activations) and the sum is
+// taken in Acc (int32 for 8-bit activations, exact).
+template <typename Acc, typename X>
+inline float dot_row_portable(const uint8_t* w, const X* x, const float* dx, const float* sx, int64_t pairs) {
+  float total = 0.f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* pair = w + p * PAIR_BYTES;
+    Acc low = 0, high = 0;
+    for (int j = 0; j < 32; ++j) {
+      low += (pair[8 + j] & 15) * x[p * 64 + j];
+      high += (pair[8 + j] >> 4) * x[p * 64 + 32 + j];
+    }
+    const float d0 = dx ? dx[2 * p] : 1.f, d1 = dx ? dx[2 * p + 1] : 1.f;
+    total += half_to_float(pair) * d0 * low + half_to_float(pair + 2) * d1 * high +
+             half_to_float(pair + 4) * sx[2 * p] + half_to_float(pair + 6) * sx[2 * p + 1];
+  }
+  return total;
+}
+
 // One weight row against one quantized activation row: sum over pairs of blocks.
 inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const float* sx, int64_t pairs) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -170,19 +190,7 @@ inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const 
   }
   return hsum256(acc) + mins;
 #else
-  float total = 0.f;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint8_t* pair = w + p * PAIR_BYTES;
-    const int8_t* xb = qx + p * 64;
-    int32_t low = 0, high = 0;
-    for (int j = 0; j < 32; ++j) {
-      low += (pair[8 + j] & 15) * xb[j];
-      high += (pair[8 + j] >> 4) * xb[j + 32];
-    }
-    total += half_to_float(pair) * dx[2 * p] * low + half_to_float(pair + 2) * dx[2 * p + 1] * high +
-             half_to_float(pair + 4) * sx[2 * p] + half_to_float(pair + 6) * sx[2 * p + 1];
-  }
-  return total;
+  return dot_row_portable<int32_t>(w, qx, dx, sx, pairs);
 #endif
 }
 
@@ -207,18 +215,7 @@ inline float dot_row_f32(const uint8_t* w, const float* x, const float* sx, int6
   }
   return hsum256(acc) + mins;
 #else
-  float total = 0.f;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint8_t* pair = w + p * PAIR_BYTES;
-    float low = 0.f, high = 0.f;
-    for (int j = 0; j < 32; ++j) {
-      low += (pair[8 + j] & 15) * x[p * 64 + j];
-      high += (pair[8 + j] >> 4) * x[p * 64 + 32 + j];
-    }
-    total += half_to_float(pair) * low + half_to_float(pair + 2) * high + half_to_float(pair + 4) * sx[2 * p] +
-             half_to_float(pair + 6) * sx[2 * p + 1];
-  }
-  return total;
+  return dot_row_portable<float>(w, x, nullptr, sx, pairs);
 #endif
 }
 

@@ -38,3 +38,17 @@ def default_model():
     from completer.model_store import pull
 
     return pull(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(code_tok):
+    """The engine tests' tokenizer (test_engine*.py)."""
+    return code_tok
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The engine tests' small random target and drafters (engine_harness.build_models)."""
+    from engine_harness import build_models
+
+    return build_models()

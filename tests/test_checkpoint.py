@@ -28,8 +28,13 @@ def saved(tmp_path_factory):
     return root / "model"
 
 
-def copy(saved, tmp_path):
-    return shutil.copytree(saved, tmp_path / "m")
+def copy(saved, tmp_path, **config):
+    """The saved checkpoint copied, `config.json` changed by `config`."""
+    d = shutil.copytree(saved, tmp_path / "m")
+    if config:
+        path = d / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    return d
 
 
 def test_export_loads_in_transformers_with_same_logits(saved):
@@ -63,19 +68,13 @@ def test_missing_shard(saved, tmp_path):
 
 
 def test_wrong_architecture(saved, tmp_path):
-    d = copy(saved, tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy(saved, tmp_path, architectures=["GPT2LMHeadModel"])
     with pytest.raises(CheckpointError, match=r"config\.json: unsupported architecture 'GPT2LMHeadModel'"):
         load_model(d)
 
 
 def test_mismatched_shape(saved, tmp_path):
-    d = copy(saved, tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["intermediate_size"] = 48
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy(saved, tmp_path, intermediate_size=48)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' "
                                               r"has shape \(\d+, \d+\), the config implies"):
         load_model(d)

@@ -64,38 +64,30 @@ def test_a_flag_is_named_as_typed():
         load_config(None, ["server.port=99999"], spelled={"server.port=99999": "--port 99999"})
 
 
-@pytest.mark.parametrize("override, keys", [
+# A value out of its own range: the message names its key.
+OUT_OF_RANGE = [
+    "request.max_tokens=0", "request.deadline_ms=0", "request.deadline_ms=nan",
+    "engine.kv_cache_mb=0", "engine.kv_cache_mb=-1.5", "engine.block_size=0", "engine.max_running=0",
+    "engine.max_queue=0", "engine.prefill_chunk=0", "engine.threads=-1",
+    "spec.k_max=-1", "spec.ngram_min=0", "spec.draft_share=0", "spec.draft_share=1",
+    "server.port=70000", "server.max_frame_bytes=0", "server.max_connections=0", "server.send_queue_frames=0",
+    "model.order=xyz", "model.template=nope", "compat.port=70000", "compat.max_inflight=0",
+]
+# Values that cannot work together: the message names every key of the relation.
+BROKEN_RELATIONS = {
     # the whole window for the completion: the prompt budget would be negative (issue #13: a loop at 100% CPU)
-    ("request.max_tokens=1100", ["request.max_tokens", "model.context_tokens"]),
-    ("request.max_tokens=961", ["request.max_tokens", "model.context_tokens"]),  # 63 prompt tokens left
-    ("model.context_tokens=100", ["request.max_tokens", "model.context_tokens"]),
-    ("request.max_tokens=0", ["request.max_tokens"]),
-    ("request.deadline_ms=0", ["request.deadline_ms"]),
-    ("request.deadline_ms=nan", ["request.deadline_ms"]),
-    ("engine.kv_cache_mb=0", ["engine.kv_cache_mb"]),
-    ("engine.kv_cache_mb=-1.5", ["engine.kv_cache_mb"]),
-    ("engine.block_size=0", ["engine.block_size"]),
-    ("engine.max_running=0", ["engine.max_running"]),
-    ("engine.max_queue=0", ["engine.max_queue"]),
-    ("engine.prefill_chunk=0", ["engine.prefill_chunk"]),
-    ("engine.threads=-1", ["engine.threads"]),
-    ("spec.k_max=-1", ["spec.k_max"]),
-    ("spec.k_init=9", ["spec.k_init", "spec.k_max"]),
-    ("spec.ngram_min=0", ["spec.ngram_min"]),
-    ("spec.ngram_max=1", ["spec.ngram_max", "spec.ngram_min"]),
-    ("spec.draft_share=0", ["spec.draft_share"]),
-    ("spec.draft_share=1", ["spec.draft_share"]),
-    ("server.port=70000", ["server.port"]),
-    ("server.max_frame_bytes=0", ["server.max_frame_bytes"]),
-    ("server.max_connections=0", ["server.max_connections"]),
-    ("server.send_queue_frames=0", ["server.send_queue_frames"]),
-    ("server.tls_key=key.pem", ["server.tls_key", "server.tls_cert"]),
-    ("model.order=xyz", ["model.order"]),
-    ("model.template=nope", ["model.template"]),
-    ("compat.port=70000", ["compat.port"]),
-    ("compat.port=8750", ["compat.port", "server.port"]),
-    ("compat.max_inflight=0", ["compat.max_inflight"]),
-])
+    "request.max_tokens=1100": ["request.max_tokens", "model.context_tokens"],
+    "request.max_tokens=961": ["request.max_tokens", "model.context_tokens"],  # 63 prompt tokens left
+    "model.context_tokens=100": ["request.max_tokens", "model.context_tokens"],
+    "spec.k_init=9": ["spec.k_init", "spec.k_max"],
+    "spec.ngram_max=1": ["spec.ngram_max", "spec.ngram_min"],
+    "server.tls_key=key.pem": ["server.tls_key", "server.tls_cert"],
+    "compat.port=8750": ["compat.port", "server.port"],
+}
+
+
+@pytest.mark.parametrize("override, keys", [(o, [o.split("=")[0]]) for o in OUT_OF_RANGE]
+                         + list(BROKEN_RELATIONS.items()))
 def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(override, keys):
     message = message_of([override])
     assert message.startswith(f"--set {override}: "), message

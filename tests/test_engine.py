@@ -12,17 +12,7 @@ import pytest
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import Engine
 from completer.engine.request import EngineError, Finished, Request, SamplingParams
-from engine_harness import StepLoop, build_models, free_mode, greedy_reference, make_core, prompts, run, usage
-
-
-@pytest.fixture(scope="module")
-def tokenizer(code_tok):
-    return code_tok
-
-
-@pytest.fixture(scope="module")
-def models():
-    return build_models()
+from engine_harness import StepLoop, free_mode, greedy_reference, make_core, prompts, run, usage
 
 
 @pytest.mark.parametrize("draft, ngram", [(None, False), ("other", False), ("same", False),

@@ -10,19 +10,9 @@ import torch
 
 from completer.engine.config import EngineConfig
 from completer.engine.request import Finished, Request, SamplingParams
-from engine_harness import build_models, free_mode, greedy_reference, make_core, prompts, run
+from engine_harness import free_mode, greedy_reference, make_core, prompts, run
 
 STOP_ID = 0  # make_core's end of text
-
-
-@pytest.fixture(scope="module")
-def tokenizer(code_tok):
-    return code_tok
-
-
-@pytest.fixture(scope="module")
-def models():
-    return build_models()
 
 
 def ranked_first_tokens(models, prompt: list[int], count: int) -> list[int]:
