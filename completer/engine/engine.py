@@ -59,8 +59,9 @@ def as_delivered(events: list) -> list:
     return [(e.id, EngineError(e.code, e.message) if isinstance(e, Failed) else e) for e in events]
 
 
-class EngineLive(msgspec.Struct):
-    """What an engine holds now (the server's gauges, a replica's routing stats)."""
+class EngineLive(msgspec.Struct, frozen=True):
+    """What an engine holds (the server's gauges, a replica's routing stats),
+    as its thread published it at the end of its last turn."""
 
     running: int = 0
     waiting: int = 0
@@ -136,6 +137,7 @@ class Engine:
         self._stopping = False
         self._cancels = 0  # cancels in the inbox (read without the lock: a stale count costs a layer)
         self._sent = threading.Event()  # set by the loop once it has written what a pass produced
+        self._live = EngineLive()
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
@@ -181,6 +183,7 @@ class Engine:
                 failed.append(e)
                 return
             finally:
+                self._publish()
                 ready.set()
             self._run()
 
@@ -204,16 +207,20 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def live(self) -> EngineLive:
-        """Read from the event loop while the engine thread may be changing the
-        lists and pools read here; len() of them is atomic. Block 0 is scratch,
-        never free nor handed out; a free block may still hold cached K/V, but
-        no sequence references it."""
+        """The snapshot the engine thread published last; the workers up are
+        the links' own count, current even while the engine sleeps."""
+        remote = self.core.disagg.remote if self.core.disagg is not None else None
+        return msgspec.structs.replace(self._live, prefill_workers_up=remote.workers_up if remote else 0)
+
+    def _publish(self) -> None:
+        """On the engine thread, at the end of a turn (nothing changes the
+        queues and pools meanwhile). Block 0 is scratch, never free nor handed
+        out; a free block may still hold cached K/V, but no sequence references it."""
         core = self.core
-        return EngineLive(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
-                          kv_cache_usage=core.kv.usage(),
-                          kv_blocks_used={role: pool.num_blocks - 1 - pool.num_free
-                                          for role, pool in core.kv.pools.items()},
-                          prefill_workers_up=core.disagg.remote.workers_up if core.disagg is not None else 0)
+        self._live = EngineLive(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+                                kv_cache_usage=core.kv.usage(),
+                                kv_blocks_used={role: pool.num_blocks - 1 - pool.num_free
+                                                for role, pool in core.kv.pools.items()})
 
     def submit(self, request: Request, supersede: str | None = None, ends_others: bool = True,
                affinity: str = "") -> RequestStream:
@@ -301,6 +308,7 @@ class Engine:
                     events += core.fail_running(f"{type(e).__name__}: {e}")
             else:  # what aborts left, and the failures of jobs taken in from the inbox (a `Failed`: an error)
                 events += as_delivered(core.output.drain())
+            self._publish()  # before the answers go out: a client that saw its `done` sees its blocks back
             if events:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
 
