@@ -3,7 +3,7 @@ editors, and llama.cpp's server on the same weights, in one run.
 
     python latency_bench/llama_peer.py build    # once: llama-server from source (minutes; cached)
     python latency_bench/keystroke_bench.py     # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
-                                                #   plots, the dashboard's screenshot, BENCHMARKS.md, README
+                                                #   plots, the dashboard's screenshot, BENCHMARKS.md
     python latency_bench/keystroke_bench.py --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
 
 Every row replays the same traces (`keystrokes.py`: pip's sources typed key
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (completer: torch's default)")
     ap.add_argument("--corpus", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "keystroke_bench.json")
-    ap.add_argument("--no-docs", action="store_true", help="do not rewrite BENCHMARKS.md and README's Speed")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite BENCHMARKS.md")
     args = ap.parse_args()
 
     from completer.checkpoint import resolve_precision

@@ -6,8 +6,8 @@ From `keystroke_bench.py`'s JSON: one table (every row at every editor count,
 ratios against `all_on`), the aims checked, two PNG plots beside the JSON
 (TTFT CDFs per row at each editor count; p99 TTFT against editors), and, unless
 `--no-docs`, the newest section of BENCHMARKS.md (the one it wrote before is
-kept below it, marked superseded) and the headline of README's Speed section,
-both between marker comments.
+kept below it, marked superseded), between marker comments; the README
+links there and carries no dated figures.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- keystroke-bench:start -->", "<!-- keystroke-bench:end -->"
-HEAD_START, HEAD_END = "<!-- speed-headline:start -->", "<!-- speed-headline:end -->"
 
 
 def fmt(v, unit: str = "") -> str:
@@ -251,16 +250,6 @@ def render(json_path: Path, write_docs: bool = True) -> str:
             old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date} above)", old, count=1, flags=re.M)
             page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
         bench.write_text(page)
-        readme = ROOT / "README.md"
-        m = result["machine"]
-        command = " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]])
-        headline = (f"Run of {result['date'][:10]}, {result['date'][11:16]}: `{command}` "
-                    f"on {m['cpu']}, {m['cores']} CPUs (the default device: cpu); precision {result['precision']}, "
-                    f"{result['seconds']:.0f} s of typing per editor count.\n\n"
-                    + "\n".join(aims(result)) + "\n\nThe whole table, the plots and the dashboard under load: "
-                    "[BENCHMARKS.md](BENCHMARKS.md).\n")
-        page, _ = replace_between(readme.read_text(), HEAD_START, HEAD_END, headline)
-        readme.write_text(page)
     return text
 
 
