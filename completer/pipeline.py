@@ -17,7 +17,8 @@ import msgspec
 
 from completer.config import Config
 from completer.document import DocumentPrompt
-from completer.engine.engine import Engine, RequestStream
+from completer.engine.engine import Engine
+from completer.engine.streams import RequestStream
 from completer.engine.request import Mode, Request, SamplingParams
 from completer.engine.stopping import next_nonblank_line
 from completer.healing import back_off

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton decode path runs on
 
 import pytest
 
+from completer.engine.calibration import calibrate_speculation
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import Engine
 from completer.engine.request import EngineError, Finished, Request, SamplingParams
@@ -208,7 +209,7 @@ def test_triton_decode_path_equals_torch_path(models, tokenizer, draft):
 
 def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer):
     core = make_core(models, tokenizer)
-    core.calibrate(context=32, reps=1)
+    calibrate_speculation(core, context=32, reps=1)
     widths = set(range(1, core.spec.k_max + 2))
     for batch in (1, 4):
         assert {w for b, w in core.policy.costs.target if b == batch} == widths
@@ -216,7 +217,7 @@ def test_calibration_times_every_width_and_returns_its_blocks(models, tokenizer)
     assert usage(core) == 0 and usage(core, "draft") == 0
     # A pool too small to hold the dummy sequences: nothing timed, nothing held.
     tiny = make_core(models, tokenizer, blocks=8)
-    tiny.calibrate(context=32, reps=1)
+    calibrate_speculation(tiny, context=32, reps=1)
     assert tiny.policy.costs.target == {} and usage(tiny) == 0
 
 

@@ -24,7 +24,7 @@ import msgspec
 
 from completer.cluster.config import ClusterConfig
 from completer.cluster.routing import Hop, prefix_hash
-from completer.engine.engine import RequestStream, Superseding
+from completer.engine.streams import RequestStream, Superseding
 from completer.engine.request import Delta, EngineError, Failed, Finished, Request, Timings
 
 log = logging.getLogger(__name__)

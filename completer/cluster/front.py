@@ -24,7 +24,7 @@ import msgspec
 
 from completer.checkpoint import CheckpointError
 from completer.cluster.link import Cancel, Event, Fatal, FrameStream, FromLink, Ready, Stats, Stop, Submit
-from completer.engine.engine import EngineLive, RequestStream
+from completer.engine.streams import EngineLive, RequestStream
 from completer.engine.request import Delta, EngineError, Request
 
 log = logging.getLogger(__name__)

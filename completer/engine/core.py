@@ -7,6 +7,14 @@ budget), `kv_cache_manager` (blocks of every pool), `model_runner` (a model
 and its pool), `speculator` + `proposers` (drafts), `spec_policy` (how far to
 speculate), `sampler` and `rejection_sampler` (choosing tokens),
 `output_processor` (text and events), `candidates` (a request's `n`).
+
+The step contract: `scheduler.schedule()` returns the plan (expired,
+prefill chunks; decoding follows from the scheduler's statuses after the
+prefill), the runners' passes produce logits, and `_postprocess` turns the
+accepted tokens into events; only the scheduler changes a request's status.
+Over ~300 lines because the step's phases (prefill, first token, verify,
+post-process) share the sequences' pass state and timings; apart, they
+would hand the core to each other.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ import torch
 
 from completer.engine.attention import PassInterrupted
 from completer.engine.block_manager import BlockManager
-from completer.engine.calibration import prefill_rate, time_passes
 from completer.engine.candidates import Candidates
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.fused_cpu import fused_layers_for
@@ -180,54 +187,6 @@ class EngineCore:
     def only_transfers(self) -> bool:
         """Nothing to compute until a worker's K/V arrives or a job closes (or a deadline passes)."""
         return self.scheduler.only_transfers or (not self.scheduler.has_work and self.releasing)
-
-    def compile_passes(self) -> None:
-        """With `engine.compile` on a CPU: compile each model's layers now
-        (a 1-token pass, then one of several tokens: the two shapes inductor
-        specializes), not under a user's first keystroke."""
-        runners = {role: r for role, r in self.runners.items() if r.device.type == "cpu"}
-        if not self.config.compile or not runners:
-            return
-        log.info("engine: compiling the decode and verify passes (torch.compile; engine.compile=false skips)")
-        started = time.perf_counter()
-        try:
-            for role, runner in runners.items():
-                runner.model.compile_layers()
-                time_passes(runner, self.kv.pools[role], 1, [1, 2], 16, 1)
-        except Exception as e:  # no C++ compiler, a torch bug: slower, never down
-            for runner in runners.values():
-                runner.model.eager_layers()
-            log.warning("engine: torch.compile failed, passes run eager: %s", str(e).strip().splitlines()[0])
-            log.debug("engine: the compile failure", exc_info=True)
-            return
-        log.info("engine: passes compiled in %.1f s", time.perf_counter() - started)
-
-    def calibrate(self, context: int = 256, reps: int = 3, batches: tuple[int, ...] = (1, 4)) -> None:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.decode_threads)
-        try:
-            for batch in batches:
-                widths = list(range(1, self.spec.k_max + 2))
-                for width, seconds in time_passes(self.target, self.kv.pools["target"], batch, widths,
-                                                  context, reps).items():
-                    self.policy.costs.observe_target(batch, width, seconds)
-                if self.draft is not None:
-                    for _, seconds in time_passes(self.draft, self.kv.pools["draft"], batch, [1],
-                                                  context, reps).items():
-                        self.policy.costs.observe_draft(batch, seconds)
-        finally:
-            torch.set_num_threads(previous)
-
-    def calibrate_prefill(self) -> None:
-        """Disaggregation decides from this machine's prefill rate from the first request on."""
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.prefill_threads)
-        try:
-            rate = prefill_rate(self.target, self.kv.pools["target"], min(self.config.prefill_chunk, 512))
-        finally:
-            torch.set_num_threads(previous)
-        if rate is not None:
-            self.disagg.remote.local_tokens_s = rate
 
     # -- the iteration ------------------------------------------------------
 
