@@ -5,6 +5,9 @@ The parameter names match Hugging Face's, so a checkpoint's state dict loads
 backend the model does not own (`engine/attention.py`: the paged pool), so
 the engine decides where K/V live; without one (training, scoring) attention
 is plain causal. Attention math is fp32.
+
+One module past ~300 lines, as gpt-fast keeps its model: config, RoPE
+variants, layers and the forward pass read top to bottom.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 // with reconnection and a check that the connection still reaches the server
 // (liveness.ts); the requests on it are tracked by requests.ts. Independent
 // of the vscode API: the provider and the tests drive it the same way.
+// (Past ~300 lines: the connection's states, handshake and reconnection
+// change together; the requests and liveness are already apart.)
 
 import { EventEmitter } from 'events';
 import WebSocket from 'ws';

@@ -2,7 +2,8 @@
 -- once from the cache), streamed in as ghost text, typed through, accepted
 -- whole, by word or by line, dismissed, and reported back (`feedback`).
 -- init.lua wires these to autocommands; accept.lua holds the accept keys,
--- replies.lua what the server sends back.
+-- replies.lua what the server sends back. (Past ~300 lines: the states of
+-- one suggestion, asked, shown, typed through, accepted, read as one story.)
 local ghost = require('completer.ghost')
 local indicator = require('completer.indicator')
 local text = require('completer.text')
