@@ -40,17 +40,12 @@ from pathlib import Path
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))
-from editors import keep_reading_log  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from replay import ReplayOptions, replay, summarize, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
-
-from completer.cluster.routing import AffinityTable, prefix_holders  # noqa: E402
+from completer.cluster.routing import AffinityTable, prefix_holders
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, replay, summarize, traces
+from latency_bench.run_results import machine, now
 
 KV = "engine.kv_cache_mb=1024"  # every editor's window stays cached in each engine
 CLUSTER = ("cluster.enabled=true", "cluster.health_check_period_s=1", "cluster.routing_stats_period_s=1")

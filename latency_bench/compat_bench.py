@@ -28,17 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay import percentile_ms  # noqa: E402
-from server_harness import TOKEN, collect, complete_msg, connect, running_server  # noqa: E402
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.replay import percentile_ms
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # The line typed: Rectangle.perimeter's body in examples/shapes.py, at its cursor.

@@ -29,16 +29,12 @@ import asyncio
 import json
 import statistics
 from collections import Counter
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from editors import percentile_ms  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from replay import ReplayOptions, Sample, replay, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
+from latency_bench.editors import percentile_ms
+from latency_bench.harness import TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, Sample, replay, traces
 
 PARTS = ("prepare", "wait", "admission", "prefill", "to_first", "hop")
 MIN_SAMPLES = 20  # below this a percentile is not printed

@@ -57,15 +57,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from editors import keep_reading_log  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from server_harness import TOKEN, ServerProcess, complete_msg, connect, running_server  # noqa: E402
-
-from completer.checkpoint import load_tokenizer  # noqa: E402
-from completer.evaluate import heldout_files  # noqa: E402
-from completer.model_store import resolve_target  # noqa: E402
+from completer.checkpoint import load_tokenizer
+from completer.evaluate import heldout_files
+from completer.model_store import resolve_target
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, ServerProcess, complete_msg, connect, running_server
+from latency_bench.run_results import machine, now
 
 LONG_DEADLINE_MS = 120_000
 COMMON = ("model.context_tokens=8192", "engine.kv_cache_mb=3072")

@@ -10,11 +10,10 @@ import random
 import time
 from collections import Counter
 
-from editors import answered_as, keep_reading_log, percentile_ms
-from run_results import FairnessResult, Phase, machine, now
-from server_harness import ServerProcess, collect, complete_msg, connect, running_server
-
 from completer.evaluate import heldout_files
+from latency_bench.editors import answered_as, keep_reading_log, percentile_ms
+from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
+from latency_bench.run_results import FairnessResult, Phase, machine, now
 
 UNANSWERED_AFTER_S = 120.0  # a request this old is booked unanswered
 

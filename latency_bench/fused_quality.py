@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from pathlib import Path
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from completer.engine.config import EngineConfig, SpecConfig  # noqa: E402
-from completer.engine.engine import run_in_passing_thread  # noqa: E402
-from completer.evaluate import heldout_files, line_starts, served  # noqa: E402
-from completer.loading import load_models  # noqa: E402
-from completer.pipeline import RequestOptions  # noqa: E402
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.engine import run_in_passing_thread
+from completer.evaluate import heldout_files, line_starts, served
+from completer.loading import load_models
+from completer.pipeline import RequestOptions
+from latency_bench.harness import ROOT
 
 ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),  # (8-bit activations, fp32 K/V)
         "fused_fp32_acts": EngineConfig(fused_cpu_q8=False), "fused_kv_fp16": EngineConfig(kv_dtype="fp16")}

@@ -33,12 +33,9 @@ from typing import Literal
 import msgspec
 from websockets.exceptions import ConnectionClosed
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from server_harness import ServerProcess, collect, complete_msg, connect, running_server  # noqa: E402
-
-from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode  # noqa: E402
-from fuzz_frames import Frame, draw_frames  # noqa: E402  (beside this file)
+from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode
+from latency_bench.fuzz_frames import Frame, draw_frames
+from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
 
 TOKEN = "fuzz-token-0123456789abcdef"  # the server wants 16 characters or more
 # The run is about the protocol, not the model: few tokens, a short window

@@ -26,12 +26,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "latency_bench"))
-from server_harness import running_server  # noqa: E402
-
-from fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb  # noqa: E402
+from latency_bench.fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb
+from latency_bench.harness import running_server
 
 ROUTES = [("POST", "/infill"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
           ("GET", "/health"), ("GET", "/props"), ("GET", "/v1/models"), ("GET", "/nowhere"), ("PUT", "/infill")]

@@ -37,7 +37,6 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 if importlib.util.find_spec("completer_kernels") is None:  # a checkout that is not pip-installed
     spec = importlib.util.spec_from_file_location("completer_kernels", ROOT / "kernels" / "__init__.py",
                                                   submodule_search_locations=[str(ROOT / "kernels")])

@@ -43,18 +43,13 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))
-import llama_peer  # noqa: E402
-from editors import keep_reading_log  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from replay import ReplayOptions, prompt_states, replay, summarize, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
-
-from completer.model_store import pull  # noqa: E402
+from completer.model_store import pull
+from latency_bench import llama_peer
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, prompt_states, replay, summarize, traces
+from latency_bench.run_results import machine, now
 
 RESULTS = ROOT / "docs" / "results"
 CONTEXT_TOKENS = 1024  # completer's default model.context_tokens: llama.cpp's slots get the same
@@ -237,7 +232,7 @@ def main() -> None:
     result["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(result))
 
-    import keystroke_report
+    from latency_bench import keystroke_report
     keystroke_report.render(args.out, write_docs=not args.no_docs)
 
 

@@ -50,7 +50,7 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
     """p50 / p99 of two runs' latencies (`ttft_sites` or `line_sites`) on the
     keystrokes both have a figure for: a keystroke one row never answered is
     left out of both, so neither wins by what it lacks."""
-    from replay import percentile_ms
+    from latency_bench.replay import percentile_ms
 
     a, b = mine.get(key), theirs.get(key)
     if a is None or b is None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from run_results import (RSS_TOLERANCE, FairnessResult, Gauges, RunRecord, SoakResult, machine, now, rss_growth,
-                         violations)
+from latency_bench.run_results import (RSS_TOLERANCE, FairnessResult, Gauges, RunRecord, SoakResult, machine, now,
+                                       rss_growth, violations)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

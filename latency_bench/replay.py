@@ -30,16 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editors import percentile_ms as nearest_rank_ms  # noqa: E402
-from keystrokes import EditorState, Trace, corpus_files, make_trace  # noqa: E402
+from latency_bench.editors import percentile_ms as nearest_rank_ms
+from latency_bench.keystrokes import EditorState, Trace, corpus_files, make_trace
 
 DRAIN_S = 5.0  # after the last key: answers still owed get this long beyond the deadline
 

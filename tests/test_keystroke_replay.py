@@ -15,11 +15,9 @@ import urllib.request
 
 import pytest
 
-from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
-
-sys.path.insert(0, str(ROOT / "latency_bench"))
-from keystrokes import EditorState, corpus_files, make_trace  # noqa: E402
-from replay import ReplayOptions, replay, summarize, traces  # noqa: E402
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.keystrokes import EditorState, corpus_files, make_trace
+from latency_bench.replay import ReplayOptions, replay, summarize, traces
 
 
 @pytest.fixture(scope="module")
