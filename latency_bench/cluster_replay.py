@@ -3,8 +3,8 @@ process, one replica, and two replicas with the affinity router and with Ray
 Serve's default router, in one run; then the routing decision alone, timed
 at 100 replicas and 10,000 editors.
 
-    python latency_bench/cluster_replay.py                      # ~6 min on 2 cores -> docs/results/cluster_replay.json
-    python latency_bench/cluster_replay.py --editors 2 --seconds 20 --rows affinity_2 ray_default_2 --out /tmp/c.json
+    python -m latency_bench cluster-replay   # ~6 min on 2 cores -> docs/results/cluster_replay.json
+    python -m latency_bench cluster-replay --editors 2 --seconds 20 --rows affinity_2 ray_default_2 --out /tmp/c.json
 
 Rows (each a fresh `completer serve` on the default model, the same traces):
 

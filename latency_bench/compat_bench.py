@@ -1,7 +1,7 @@
 """A keystroke over llama.cpp's /infill against the same keystroke over the
 WebSocket protocol: same server, same document, one run.
 
-    python latency_bench/compat_bench.py [--keystrokes 24] [--n-predict 8] [--model embedded] [--json out.json]
+    python -m latency_bench compat [--keystrokes 24] [--n-predict 8] [--model embedded] [--json out.json]
 
 starts `completer serve` (the `[compat]` routes on an ephemeral port), then
 types a line of `examples/shapes.py` key by key. After every key it asks for

@@ -2,9 +2,9 @@
 `llama-server` on the same weights (the default SmolLM2-135M) at matched
 precision, side by side in one run. Prints a table; writes JSON.
 
-    python latency_bench/llama_peer.py build           # once: llama-server from source (cached)
-    python latency_bench/cpu_decode_bench.py           # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
-    python latency_bench/cpu_decode_bench.py --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
+    python -m latency_bench llama-peer build   # once: llama-server from source (cached)
+    python -m latency_bench cpu-decode         # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
+    python -m latency_bench cpu-decode --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 
 Rows: completer at fp32 and bf16 (fused q/k/v and gate/up; `*_unfused`;
 `*_compiled` with `engine.compile`, the others without), int8, int4 (the

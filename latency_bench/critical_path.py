@@ -1,8 +1,8 @@
 """Where a keystroke's milliseconds go, at one editor.
 
-    python latency_bench/critical_path.py                       # default config, 30 s of typing
-    python latency_bench/critical_path.py --set model.precision=int4 --set spec.defer_draft_prefill=false
-    python latency_bench/critical_path.py --seconds 60 --out /tmp/path.json
+    python -m latency_bench critical-path   # default config, 30 s of typing
+    python -m latency_bench critical-path --set model.precision=int4 --set spec.defer_draft_prefill=false
+    python -m latency_bench critical-path --seconds 60 --out /tmp/path.json
 
 One editor replays its trace (`replay.py`: pip's sources typed key by key, a
 `complete` per key, each superseding the last) against a fresh `completer

@@ -30,9 +30,9 @@ off/on ratios (aims: short p99 TTFT >= 2x better with disagg on, long TTFT at
 most 1.5x worse) and the count of short requests prefilled remotely (must be
 0); the `completer_prefill_decisions` lines of `/metrics`.
 
-    python latency_bench/disagg_bench.py   # 4 editors, 60 s per configuration -> docs/results/disagg_bench.json
-    python latency_bench/disagg_bench.py --no-long   # the editors alone: each configuration's baseline
-    python latency_bench/disagg_bench.py --quick --out /tmp/disagg_quick.json   # 2 editors, 20 s, ~3k-token opens
+    python -m latency_bench disagg   # 4 editors, 60 s per configuration -> docs/results/disagg_bench.json
+    python -m latency_bench disagg --no-long   # the editors alone: each configuration's baseline
+    python -m latency_bench disagg --quick --out /tmp/disagg_quick.json   # 2 editors, 20 s, ~3k-token opens
 
 The JSON holds every sample, the summaries, the machine (with nproc), the
 date, the load average around each configuration (a busy machine skews

@@ -1,7 +1,7 @@
 """Fairness: closed loop (an editor sends its next keystroke when the last
 one is answered), 1 editor alone and N together, alternating in one run; the
 figure is the ratio of their p99 time-to-done. Run through
-`python latency_bench/soak.py --fairness`."""
+`python -m latency_bench soak --fairness`."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ layer as configured by default (8-bit activations, fp32 K/V), with fp32
 activations, with fp16 K/V, and without it (torch's ops), on the same weights
 in one run.
 
-    python latency_bench/fused_quality.py                  # ~55 min on 2 cores (~7 min a row)
-    python latency_bench/fused_quality.py --rows torch fused --sites "line starts" --lines 50 --out /tmp/q.json
+    python -m latency_bench fused-quality   # ~55 min on 2 cores (~7 min a row)
+    python -m latency_bench fused-quality --rows torch fused --sites "line starts" --lines 50 --out /tmp/q.json
 
 Prints exact match per row at line starts and mid-line, and how often each
 row's suggestion is the same text as the torch row's (a torch row runs first

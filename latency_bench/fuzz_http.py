@@ -1,7 +1,7 @@
 """HTTP fuzzing of the compatible routes (`[compat]`): bodies and headers a
 broken or hostile client can send, against the real server.
 
-    python latency_bench/fuzz_http.py --requests 100000 [--json out.json]
+    python -m latency_bench fuzz-http --requests 100000 [--json out.json]
 
 starts `completer serve --model embedded` (ephemeral ports), sends each
 request on a connection of its own (raw bytes: any header value, any body)
@@ -167,7 +167,7 @@ def main() -> int:
         figures = asyncio.run(fuzz_http(server.compat, args.requests, args.seed, args.concurrency))
         figures["server_rss_mb_before"], figures["server_rss_mb_after"] = before, rss_mb(server)
         figures["server_alive"] = server.proc.poll() is None
-    figures["command"] = "python latency_bench/fuzz_http.py " + " ".join(sys.argv[1:])
+    figures["command"] = "python -m latency_bench fuzz-http " + " ".join(sys.argv[1:])
     report = json.dumps(figures, indent=2)
     print(report)
     if args.json:

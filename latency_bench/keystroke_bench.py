@@ -1,10 +1,10 @@
 """The keystroke replay matrix: every speed feature off and on, at 1, 8 and 32
 editors, and llama.cpp's server on the same weights, in one run.
 
-    python latency_bench/llama_peer.py build    # once: llama-server from source (minutes; cached)
-    python latency_bench/keystroke_bench.py     # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
-                                                #   plots, the dashboard's screenshot, BENCHMARKS.md, README
-    python latency_bench/keystroke_bench.py --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
+    python -m latency_bench llama-peer build   # once: llama-server from source (minutes; cached)
+    python -m latency_bench keystroke          # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
+                                               #   plots, the dashboard's screenshot, BENCHMARKS.md, README
+    python -m latency_bench keystroke --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
 
 Every row replays the same traces (`keystrokes.py`: pip's sources typed key
 by key; `replay.py`). Each completer row is a fresh `completer serve` on the

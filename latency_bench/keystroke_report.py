@@ -1,6 +1,6 @@
 """The keystroke replay's results as tables, plots and pages.
 
-    python latency_bench/keystroke_report.py [docs/results/keystroke_bench.json] [--no-docs]
+    python -m latency_bench keystroke-report [docs/results/keystroke_bench.json] [--no-docs]
 
 From `keystroke_bench.py`'s JSON: one table (every row at every editor count,
 ratios against `all_on`), the aims checked, two PNG plots beside the JSON
@@ -202,7 +202,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         f"Corpus: {result['corpus']}. {result['seconds']:.0f} s of typing per editor count, "
         f"{result.get('wall_s', 0) / 60:.1f} min in all.",
         "",
-        "Command: `" + " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]]) + "`; "
+        "Command: `" + " ".join(["python", "-m", "latency_bench", "keystroke", *result["command"][1:]]) + "`; "
         f"JSON: `{rel(json_path)}`" + (f"; llama.cpp {next((r['version'] for r in result['rows'].values() if r['kind'] != 'completer'), '')} "
                                         f"on {', '.join(sorted(p for p in peers if p))}" if peers else "") + ".",
         "",
@@ -253,7 +253,7 @@ def render(json_path: Path, write_docs: bool = True) -> str:
         bench.write_text(page)
         readme = ROOT / "README.md"
         m = result["machine"]
-        command = " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]])
+        command = " ".join(["python", "-m", "latency_bench", "keystroke", *result["command"][1:]])
         headline = (f"Run of {result['date'][:10]}, {result['date'][11:16]}: `{command}` "
                     f"on {m['cpu']}, {m['cores']} CPUs (the default device: cpu); precision {result['precision']}, "
                     f"{result['seconds']:.0f} s of typing per editor count.\n\n"

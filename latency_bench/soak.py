@@ -24,9 +24,9 @@ Fairness: closed loop (an editor sends its next keystroke when the last one is
 answered), 1 editor alone and `--editors` together, alternating in one run;
 the figure is the ratio of their p99 time-to-done.
 
-    python latency_bench/soak.py --duration 1800 --http-editors 8 --disagg --loads 2 \
+    python -m latency_bench soak --duration 1800 --http-editors 8 --disagg --loads 2 \
         --json docs/results/reliability_soak.json
-    python latency_bench/soak.py --fairness --json docs/results/reliability_fairness.json
+    python -m latency_bench soak --fairness --json docs/results/reliability_fairness.json
 
 Whatever the server answers is counted, never retried or hidden: `overloaded`
 under a storm and deadlines overshot show up in the outcomes. Times are what
@@ -442,7 +442,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="fairness: a server setting (repeatable), e.g. engine.batch_prefill=false")
     args = ap.parse_args()
-    command = "python latency_bench/soak.py " + " ".join(sys.argv[1:])
+    command = "python -m latency_bench soak " + " ".join(sys.argv[1:])
     if args.fairness:
         result = run_fairness(args.editors, args.requests, args.rounds, args.seed, command, tuple(args.set))
         section, broken = fairness_section(result), []

@@ -86,7 +86,7 @@ def test_keystrokes_typed_one_after_another_find_most_of_their_prompt_cached(fil
 
 def test_the_matrix_command_runs_its_rows_and_writes_the_report(tmp_path):
     out = tmp_path / "k.json"
-    done = subprocess.run([sys.executable, str(ROOT / "latency_bench/keystroke_bench.py"), "--model", "embedded",
+    done = subprocess.run([sys.executable, "-m", "latency_bench", "keystroke", "--model", "embedded",
                            "--rows", "all_on", "no_prefix_cache", "--editors", "1", "2", "--seconds", "4",
                            "--out", str(out), "--no-docs"], check=True, cwd=ROOT, timeout=600,
                           capture_output=True, text=True)
