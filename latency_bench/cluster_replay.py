@@ -3,8 +3,8 @@ process, one replica, and two replicas with the affinity router and with Ray
 Serve's default router, in one run; then the routing decision alone, timed
 at 100 replicas and 10,000 editors.
 
-    python latency_bench/cluster_replay.py                      # ~6 min on 2 cores -> docs/results/cluster_replay.json
-    python latency_bench/cluster_replay.py --editors 2 --seconds 20 --rows affinity_2 ray_default_2 --out /tmp/c.json
+    python -m latency_bench cluster-replay   # ~6 min on 2 cores -> docs/results/cluster_replay.json
+    python -m latency_bench cluster-replay --editors 2 --seconds 20 --rows affinity_2 ray_default_2 --out /tmp/c.json
 
 Rows (each a fresh `completer serve` on the default model, the same traces):
 
@@ -40,17 +40,12 @@ from pathlib import Path
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))
-from editors import keep_reading_log  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from replay import ReplayOptions, replay, summarize, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
-
-from completer.cluster.routing import AffinityTable, prefix_holders  # noqa: E402
+from completer.cluster.routing import AffinityTable, prefix_holders
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, replay, summarize, traces
+from latency_bench.run_results import machine, now
 
 KV = "engine.kv_cache_mb=1024"  # every editor's window stays cached in each engine
 CLUSTER = ("cluster.enabled=true", "cluster.health_check_period_s=1", "cluster.routing_stats_period_s=1")

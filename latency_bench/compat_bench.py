@@ -1,7 +1,7 @@
 """A keystroke over llama.cpp's /infill against the same keystroke over the
 WebSocket protocol: same server, same document, one run.
 
-    python latency_bench/compat_bench.py [--keystrokes 24] [--n-predict 8] [--model embedded] [--json out.json]
+    python -m latency_bench compat [--keystrokes 24] [--n-predict 8] [--model embedded] [--json out.json]
 
 starts `completer serve` (the `[compat]` routes on an ephemeral port), then
 types a line of `examples/shapes.py` key by key. After every key it asks for
@@ -28,17 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay import percentile_ms  # noqa: E402
-from server_harness import TOKEN, collect, complete_msg, connect, running_server  # noqa: E402
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.replay import percentile_ms
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # The line typed: Rectangle.perimeter's body in examples/shapes.py, at its cursor.

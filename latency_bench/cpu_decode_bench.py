@@ -2,9 +2,9 @@
 `llama-server` on the same weights (the default SmolLM2-135M) at matched
 precision, side by side in one run. Prints a table; writes JSON.
 
-    python latency_bench/llama_peer.py build           # once: llama-server from source (cached)
-    python latency_bench/cpu_decode_bench.py           # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
-    python latency_bench/cpu_decode_bench.py --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
+    python -m latency_bench llama-peer build   # once: llama-server from source (cached)
+    python -m latency_bench cpu-decode         # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
+    python -m latency_bench cpu-decode --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 
 Rows: completer at fp32 and bf16 (fused q/k/v and gate/up; `*_unfused`;
 `*_compiled` with `engine.compile`, the others without), int8, int4 (the
@@ -54,25 +54,23 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import llama_peer  # noqa: E402
-from engine_bench import median  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from replay import prompt_states  # noqa: E402
-
-from completer.cpu_quant import Int4Linear, Int8Linear  # noqa: E402
-from completer.engine.config import EngineConfig, SpecConfig  # noqa: E402
-from completer.engine.core import EngineCore  # noqa: E402
-from completer.engine.engine import Engine, run_in_passing_thread  # noqa: E402
-from completer.engine.request import Request, SamplingParams, Timings  # noqa: E402
-from completer.evaluate import heldout_files, line_starts  # noqa: E402
-from completer.loading import load  # noqa: E402
-from completer.checkpoint import resolve_precision  # noqa: E402
-from completer.model_store import resolve_draft, resolve_target  # noqa: E402
-from completer.config import Config  # noqa: E402
-from completer.pipeline import CompletionPipeline, RequestOptions, display_path  # noqa: E402
-from completer.protocol import Document  # noqa: E402
+from completer.cpu_quant import Int4Linear, Int8Linear
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.core import EngineCore
+from completer.engine.engine import Engine, run_in_passing_thread
+from completer.engine.request import Request, SamplingParams, Timings
+from completer.evaluate import heldout_files, line_starts
+from completer.loading import load
+from completer.checkpoint import resolve_precision
+from completer.model_store import resolve_draft, resolve_target
+from completer.config import Config
+from completer.pipeline import CompletionPipeline, RequestOptions, display_path
+from completer.protocol import Document
+from latency_bench import llama_peer
+from latency_bench.engine_bench import median
+from latency_bench.harness import ROOT
+from latency_bench.replay import prompt_states
+from latency_bench.run_results import machine, now
 
 COMPLETER_ROWS = {  # name: (precision, fuse, engine settings beside the defaults)
     "fp32": ("fp32", True, {}), "fp32_unfused": ("fp32", False, {}),
@@ -365,7 +363,7 @@ def main() -> int:
     p.add_argument("--cases", type=int, default=10, help="keystroke lines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth-mib", type=int, default=512)
-    p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "results" / "cpu_decode_bench.json")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "cpu_decode_bench.json")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     table = Table(title=f"CPU decode, {args.threads} threads: {args.prompt_tokens}-token prompts, {args.tokens} "

@@ -1,8 +1,8 @@
 """Where a keystroke's milliseconds go, at one editor.
 
-    python latency_bench/critical_path.py                       # default config, 30 s of typing
-    python latency_bench/critical_path.py --set model.precision=int4 --set spec.defer_draft_prefill=false
-    python latency_bench/critical_path.py --seconds 60 --out /tmp/path.json
+    python -m latency_bench critical-path   # default config, 30 s of typing
+    python -m latency_bench critical-path --set model.precision=int4 --set spec.defer_draft_prefill=false
+    python -m latency_bench critical-path --seconds 60 --out /tmp/path.json
 
 One editor replays its trace (`replay.py`: pip's sources typed key by key, a
 `complete` per key, each superseding the last) against a fresh `completer
@@ -29,16 +29,12 @@ import asyncio
 import json
 import statistics
 from collections import Counter
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from editors import percentile_ms  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from replay import ReplayOptions, Sample, replay, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
+from latency_bench.editors import percentile_ms
+from latency_bench.harness import TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, Sample, replay, traces
 
 PARTS = ("prepare", "wait", "admission", "prefill", "to_first", "hop")
 MIN_SAMPLES = 20  # below this a percentile is not printed

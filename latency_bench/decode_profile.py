@@ -3,10 +3,10 @@ plain decode step of the target and of the drafter (batch 1, a 1,000-token
 context, through the engine's paged cache), then the pass costs the engine
 calibrates at start, which decide how far it speculates.
 
-    python latency_bench/decode_profile.py --out docs/results/decode_profile.txt   # the embedded models
-    python latency_bench/decode_profile.py --model default --width 6   # SmolLM2 and its drafter; a
+    python -m latency_bench decode-profile --out docs/results/decode_profile.txt   # the embedded models
+    python -m latency_bench decode-profile --model default --width 6   # SmolLM2 and its drafter; a
                                                                        # keystroke's pass of 6 new tokens
-    python latency_bench/decode_profile.py --model default --precision int8 --compile --batch 4
+    python -m latency_bench decode-profile --model default --precision int8 --compile --batch 4
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ off/on ratios (aims: short p99 TTFT >= 2x better with disagg on, long TTFT at
 most 1.5x worse) and the count of short requests prefilled remotely (must be
 0); the `completer_prefill_decisions` lines of `/metrics`.
 
-    python latency_bench/disagg_bench.py   # 4 editors, 60 s per configuration -> docs/results/disagg_bench.json
-    python latency_bench/disagg_bench.py --no-long   # the editors alone: each configuration's baseline
-    python latency_bench/disagg_bench.py --quick --out /tmp/disagg_quick.json   # 2 editors, 20 s, ~3k-token opens
+    python -m latency_bench disagg   # 4 editors, 60 s per configuration -> docs/results/disagg_bench.json
+    python -m latency_bench disagg --no-long   # the editors alone: each configuration's baseline
+    python -m latency_bench disagg --quick --out /tmp/disagg_quick.json   # 2 editors, 20 s, ~3k-token opens
 
 The JSON holds every sample, the summaries, the machine (with nproc), the
 date, the load average around each configuration (a busy machine skews
@@ -57,15 +57,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from editors import keep_reading_log  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from server_harness import TOKEN, ServerProcess, complete_msg, connect, running_server  # noqa: E402
-
-from completer.checkpoint import load_tokenizer  # noqa: E402
-from completer.evaluate import heldout_files  # noqa: E402
-from completer.model_store import resolve_target  # noqa: E402
+from completer.checkpoint import load_tokenizer
+from completer.evaluate import heldout_files
+from completer.model_store import resolve_target
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, ServerProcess, complete_msg, connect, running_server
+from latency_bench.run_results import machine, now
 
 LONG_DEADLINE_MS = 120_000
 COMMON = ("model.context_tokens=8192", "engine.kv_cache_mb=3072")

@@ -12,17 +12,13 @@ import itertools
 import json
 import math
 import random
-import sys
 import threading
 import time
 from collections import Counter, deque
-from pathlib import Path
 
 from websockets.exceptions import ConnectionClosed
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from server_harness import ServerProcess, connect, complete_msg  # noqa: E402
+from latency_bench.harness import ServerProcess, complete_msg, connect
 
 BURST_P, PAUSE_P, CANCEL_P = 0.04, 0.02, 0.01  # per keystroke
 DISCONNECT_P = 0.002  # per keystroke: a drop every ~500 keys

@@ -2,7 +2,7 @@
 the same held-out prompts (pip's sources, not the stdlib the models saw),
 everything measured side by side in one run. Prints a table; writes JSON.
 
-    python latency_bench/engine_bench.py --out bench-results/engine.json
+    python -m latency_bench engine --out bench-results/engine.json
 
 Ratios are what count here (the machine is shared and noisy); absolute times
 mean something only on a GPU.

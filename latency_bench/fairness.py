@@ -1,7 +1,7 @@
 """Fairness: closed loop (an editor sends its next keystroke when the last
 one is answered), 1 editor alone and N together, alternating in one run; the
 figure is the ratio of their p99 time-to-done. Run through
-`python latency_bench/soak.py --fairness`."""
+`python -m latency_bench soak --fairness`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import random
 import time
 from collections import Counter
 
-from editors import answered_as, keep_reading_log, percentile_ms
-from run_results import FairnessResult, Phase, machine, now
-from server_harness import ServerProcess, collect, complete_msg, connect, running_server
-
 from completer.evaluate import heldout_files
+from latency_bench.editors import answered_as, keep_reading_log, percentile_ms
+from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
+from latency_bench.run_results import FairnessResult, Phase, machine, now
 
 UNANSWERED_AFTER_S = 120.0  # a request this old is booked unanswered
 

@@ -4,8 +4,8 @@ per byte, drafter acceptance, first-line exact match. By default FP8 against
 bf16; on CPU the FP8 path is the emulation (same numerics as the GPU kernels:
 per-channel weight scales, per-token activation scales).
 
-    python latency_bench/fp8_quality.py --out bench-results/fp8_quality.json
-    python latency_bench/fp8_quality.py --baseline fp32 --quantized int8   # the CPU precisions
+    python -m latency_bench fp8-quality --out bench-results/fp8_quality.json
+    python -m latency_bench fp8-quality --baseline fp32 --quantized int8   # the CPU precisions
 """
 
 from __future__ import annotations

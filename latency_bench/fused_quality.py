@@ -5,8 +5,8 @@ layer as configured by default (8-bit activations, fp32 K/V), with fp32
 activations, with fp16 K/V, and without it (torch's ops), on the same weights
 in one run.
 
-    python latency_bench/fused_quality.py                  # ~55 min on 2 cores (~7 min a row)
-    python latency_bench/fused_quality.py --rows torch fused --sites "line starts" --lines 50 --out /tmp/q.json
+    python -m latency_bench fused-quality   # ~55 min on 2 cores (~7 min a row)
+    python -m latency_bench fused-quality --rows torch fused --sites "line starts" --lines 50 --out /tmp/q.json
 
 Prints exact match per row at line starts and mid-line, and how often each
 row's suggestion is the same text as the torch row's (a torch row runs first
@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from pathlib import Path
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from completer.engine.config import EngineConfig, SpecConfig  # noqa: E402
-from completer.engine.engine import run_in_passing_thread  # noqa: E402
-from completer.evaluate import heldout_files, line_starts, served  # noqa: E402
-from completer.loading import load_models  # noqa: E402
-from completer.pipeline import RequestOptions  # noqa: E402
+from completer.engine.config import EngineConfig, SpecConfig
+from completer.engine.engine import run_in_passing_thread
+from completer.evaluate import heldout_files, line_starts, served
+from completer.loading import load_models
+from completer.pipeline import RequestOptions
+from latency_bench.harness import ROOT
 
 ROWS = {"torch": EngineConfig(fused_cpu=False), "fused": EngineConfig(),  # (8-bit activations, fp32 K/V)
         "fused_fp32_acts": EngineConfig(fused_cpu_q8=False), "fused_kv_fp16": EngineConfig(kv_dtype="fp16")}

@@ -1,7 +1,7 @@
 """Protocol fuzzing: the frames a broken or hostile client can send, and a
 long run of them against the real server.
 
-    python latency_bench/fuzz.py --frames 100000 [--json out.json]
+    python -m latency_bench fuzz --frames 100000 [--json out.json]
 
 starts `completer serve --model embedded` on an ephemeral port, sends the
 frames over a few connections while another session keeps completing, checks
@@ -33,12 +33,9 @@ from typing import Literal
 import msgspec
 from websockets.exceptions import ConnectionClosed
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from server_harness import ServerProcess, collect, complete_msg, connect, running_server  # noqa: E402
-
-from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode  # noqa: E402
-from fuzz_frames import Frame, draw_frames  # noqa: E402  (beside this file)
+from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode
+from latency_bench.fuzz_frames import Frame, draw_frames
+from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
 
 TOKEN = "fuzz-token-0123456789abcdef"  # the server wants 16 characters or more
 # The run is about the protocol, not the model: few tokens, a short window
@@ -278,7 +275,7 @@ def main() -> int:
                                           args.connections, progress=True))
         figures.server_rss_mb_before, figures.server_rss_mb_after = before, rss_mb(server)
     shown = [a for a, before in zip(sys.argv[1:], ["", *sys.argv[1:]]) if "--remark" not in (a, before)]
-    figures.command = "python latency_bench/fuzz.py " + " ".join(shown)
+    figures.command = "python -m latency_bench fuzz " + " ".join(shown)
     figures.remark = args.remark
     report = msgspec.json.format(msgspec.json.encode(figures))
     print(report.decode())

@@ -1,7 +1,7 @@
 """HTTP fuzzing of the compatible routes (`[compat]`): bodies and headers a
 broken or hostile client can send, against the real server.
 
-    python latency_bench/fuzz_http.py --requests 100000 [--json out.json]
+    python -m latency_bench fuzz-http --requests 100000 [--json out.json]
 
 starts `completer serve --model embedded` (ephemeral ports), sends each
 request on a connection of its own (raw bytes: any header value, any body)
@@ -26,12 +26,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "latency_bench"))
-from server_harness import running_server  # noqa: E402
-
-from fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb  # noqa: E402
+from latency_bench.fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb
+from latency_bench.harness import running_server
 
 ROUTES = [("POST", "/infill"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
           ("GET", "/health"), ("GET", "/props"), ("GET", "/v1/models"), ("GET", "/nowhere"), ("PUT", "/infill")]
@@ -171,7 +167,7 @@ def main() -> int:
         figures = asyncio.run(fuzz_http(server.compat, args.requests, args.seed, args.concurrency))
         figures["server_rss_mb_before"], figures["server_rss_mb_after"] = before, rss_mb(server)
         figures["server_alive"] = server.proc.poll() is None
-    figures["command"] = "python latency_bench/fuzz_http.py " + " ".join(sys.argv[1:])
+    figures["command"] = "python -m latency_bench fuzz-http " + " ".join(sys.argv[1:])
     report = json.dumps(figures, indent=2)
     print(report)
     if args.json:

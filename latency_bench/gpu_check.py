@@ -4,8 +4,8 @@ step time of a 1.5B-shaped model (the engine's runner: CUDA graph, paged Triton 
 the weight-bandwidth floor, bf16 and FP8; engine tok/s with the default models.
 Writes gpu_check.json into --out and prints a table last.
 
-    python latency_bench/gpu_check.py --out results/
-    python latency_bench/gpu_check.py --dry-run --out /tmp/check   # CPU, interpreter, seconds
+    python -m latency_bench gpu-check --out results/
+    python -m latency_bench gpu-check --dry-run --out /tmp/check   # CPU, interpreter, seconds
 
 CUDA events after warm-up, medians; random inputs (no zeros); L2 flushed
 between GEMM timings. Each section records its error and the rest still run.
@@ -37,7 +37,6 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 if importlib.util.find_spec("completer_kernels") is None:  # a checkout that is not pip-installed
     spec = importlib.util.spec_from_file_location("completer_kernels", ROOT / "kernels" / "__init__.py",
                                                   submodule_search_locations=[str(ROOT / "kernels")])

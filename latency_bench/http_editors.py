@@ -22,8 +22,8 @@ from collections import Counter
 
 import aiohttp
 
-from compat_bench import AUTH, infill_body
-from editors import Book, documents, keystroke_gaps
+from latency_bench.compat_bench import AUTH, infill_body
+from latency_bench.editors import Book, documents, keystroke_gaps
 
 N_PREDICT = 32
 BROKEN = ("not_json", "no_answer", "unanswered")  # outcome prefixes no request may end with

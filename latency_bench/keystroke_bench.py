@@ -1,10 +1,10 @@
 """The keystroke replay matrix: every speed feature off and on, at 1, 8 and 32
 editors, and llama.cpp's server on the same weights, in one run.
 
-    python latency_bench/llama_peer.py build    # once: llama-server from source (minutes; cached)
-    python latency_bench/keystroke_bench.py     # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
-                                                #   plots, the dashboard's screenshot, BENCHMARKS.md
-    python latency_bench/keystroke_bench.py --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
+    python -m latency_bench llama-peer build   # once: llama-server from source (minutes; cached)
+    python -m latency_bench keystroke          # ~25 min on 2 cores -> docs/results/keystroke_bench.json,
+                                               #   plots, the dashboard's screenshot, BENCHMARKS.md
+    python -m latency_bench keystroke --rows all_on llama_q4_1 --editors 1 --seconds 20 --out /tmp/k.json --no-docs
 
 Every row replays the same traces (`keystrokes.py`: pip's sources typed key
 by key; `replay.py`). Each completer row is a fresh `completer serve` on the
@@ -43,18 +43,13 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))
-import llama_peer  # noqa: E402
-from editors import keep_reading_log  # noqa: E402
-from keystrokes import corpus_files  # noqa: E402
-from run_results import machine, now  # noqa: E402
-from replay import ReplayOptions, prompt_states, replay, summarize, traces  # noqa: E402
-from server_harness import TOKEN, running_server  # noqa: E402
-
-from completer.model_store import pull  # noqa: E402
+from completer.model_store import pull
+from latency_bench import llama_peer
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, prompt_states, replay, summarize, traces
+from latency_bench.run_results import machine, now
 
 RESULTS = ROOT / "docs" / "results"
 CONTEXT_TOKENS = 1024  # completer's default model.context_tokens: llama.cpp's slots get the same
@@ -237,7 +232,7 @@ def main() -> None:
     result["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(result))
 
-    import keystroke_report
+    from latency_bench import keystroke_report
     keystroke_report.render(args.out, write_docs=not args.no_docs)
 
 

@@ -1,6 +1,6 @@
 """The keystroke replay's results as tables, plots and pages.
 
-    python latency_bench/keystroke_report.py [docs/results/keystroke_bench.json] [--no-docs]
+    python -m latency_bench keystroke-report [docs/results/keystroke_bench.json] [--no-docs]
 
 From `keystroke_bench.py`'s JSON: one table (every row at every editor count,
 ratios against `all_on`), the aims checked, two PNG plots beside the JSON
@@ -49,7 +49,7 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
     """p50 / p99 of two runs' latencies (`ttft_sites` or `line_sites`) on the
     keystrokes both have a figure for: a keystroke one row never answered is
     left out of both, so neither wins by what it lacks."""
-    from replay import percentile_ms
+    from latency_bench.replay import percentile_ms
 
     a, b = mine.get(key), theirs.get(key)
     if a is None or b is None:
@@ -201,7 +201,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         f"Corpus: {result['corpus']}. {result['seconds']:.0f} s of typing per editor count, "
         f"{result.get('wall_s', 0) / 60:.1f} min in all.",
         "",
-        "Command: `" + " ".join(["python", "latency_bench/keystroke_bench.py", *result["command"][1:]]) + "`; "
+        "Command: `" + " ".join(["python", "-m", "latency_bench", "keystroke", *result["command"][1:]]) + "`; "
         f"JSON: `{rel(json_path)}`" + (f"; llama.cpp {next((r['version'] for r in result['rows'].values() if r['kind'] != 'completer'), '')} "
                                         f"on {', '.join(sorted(p for p in peers if p))}" if peers else "") + ".",
         "",

@@ -7,8 +7,8 @@ from source (the `llama-cpp-python` sdist vendors llama.cpp, and PyPI is the
 one index every machine here reaches) and writes GGUFs of completer's default
 model at the precision completer resolves to (`model.precision`).
 
-    python latency_bench/llama_peer.py build [--version V] [--jobs 2]
-    python latency_bench/llama_peer.py gguf --type f32|f16|bf16|q8_0 [--source P] [--out P]
+    python -m latency_bench llama-peer build [--version V] [--jobs 2]
+    python -m latency_bench llama-peer gguf --type f32|f16|bf16|q8_0 [--source P] [--out P]
 
 The bench imports `server_binary`, `matched_gguf` and `llama_server`; importing
 this needs neither torch nor gguf/numpy.
@@ -59,7 +59,7 @@ def server_binary(version: str = DEFAULT_VERSION, *, must_exist: bool = True) ->
     path = build_root(version) / "build" / "bin" / "llama-server"
     if must_exist and not path.is_file():
         raise FileNotFoundError(f"no llama-server {version} at {path}; build it: "
-                                f"python latency_bench/llama_peer.py build --version {version}")
+                                f"python -m latency_bench llama-peer build --version {version}")
     return path
 
 

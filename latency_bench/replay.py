@@ -1,8 +1,8 @@
 """Replay keystroke traces against a running server, N editors at once.
 
-    python latency_bench/replay.py --url ws://127.0.0.1:8750/v1/ws --token-file ~/.config/completer/token \\
+    python -m latency_bench replay --url ws://127.0.0.1:8750/v1/ws --token-file ~/.config/completer/token \\
         --editors 8 --seconds 60 --out replay.json
-    python latency_bench/replay.py --llama http://127.0.0.1:8080 --editors 8 --seconds 60
+    python -m latency_bench replay --llama http://127.0.0.1:8080 --editors 8 --seconds 60
 
 Each editor types its trace (`keystrokes.py`) at the trace's own times (open
 loop: a person does not wait for the model) and asks for a completion after
@@ -30,16 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editors import percentile_ms as nearest_rank_ms  # noqa: E402
-from keystrokes import EditorState, Trace, corpus_files, make_trace  # noqa: E402
+from latency_bench.editors import percentile_ms as nearest_rank_ms
+from latency_bench.keystrokes import EditorState, Trace, corpus_files, make_trace
 
 DRAIN_S = 5.0  # after the last key: answers still owed get this long beyond the deadline
 

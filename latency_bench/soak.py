@@ -24,9 +24,9 @@ Fairness: closed loop (an editor sends its next keystroke when the last one is
 answered), 1 editor alone and `--editors` together, alternating in one run;
 the figure is the ratio of their p99 time-to-done.
 
-    python latency_bench/soak.py --duration 1800 --http-editors 8 --disagg --loads 2 \
+    python -m latency_bench soak --duration 1800 --http-editors 8 --disagg --loads 2 \
         --json docs/results/reliability_soak.json
-    python latency_bench/soak.py --fairness --json docs/results/reliability_fairness.json
+    python -m latency_bench soak --fairness --json docs/results/reliability_fairness.json
 
 Whatever the server answers is counted, never retried or hidden: `overloaded`
 under a storm and deadlines overshot show up in the outcomes. Times are what
@@ -59,26 +59,22 @@ from rich.console import Console
 from rich.markdown import Markdown
 from websockets.exceptions import ConnectionClosed
 
-from editors import Book, Conn, answered_as, editor, keep_reading_log, long_prompts, percentile_ms
-from fairness import run_fairness
-from http_editors import http_editor
-from reliability import fairness_section, soak_section
-from run_results import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult, machine, now,
-                         violations)
-from stress import SideLoads, inject, memory
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from server_harness import TOKEN, ServerProcess, collect, complete_msg, connect, running_server  # noqa: E402
-from server_harness import scrape as scrape_all  # noqa: E402
-
-from completer.checkpoint import parse_config  # noqa: E402
-from completer.config import Config  # noqa: E402
-from completer.engine.block_manager import BlockManager  # noqa: E402
-from completer.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from completer.engine.paged_kv import pool_blocks  # noqa: E402
-from completer.evaluate import heldout_files  # noqa: E402
-from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET  # noqa: E402
+from completer.checkpoint import parse_config
+from completer.config import Config
+from completer.engine.block_manager import BlockManager
+from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.paged_kv import pool_blocks
+from completer.evaluate import heldout_files
+from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET
+from latency_bench.editors import Book, Conn, answered_as, editor, keep_reading_log, long_prompts, percentile_ms
+from latency_bench.fairness import run_fairness
+from latency_bench.harness import ROOT, TOKEN, ServerProcess, collect, complete_msg, connect, running_server
+from latency_bench.harness import scrape as scrape_all
+from latency_bench.http_editors import http_editor
+from latency_bench.reliability import fairness_section, soak_section
+from latency_bench.run_results import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult,
+                                       machine, now, violations)
+from latency_bench.stress import SideLoads, inject, memory
 
 # 16 MB gives the embedded target 145 blocks: a full-window request reserves 65
 # (two run at once), while 32 editors' documents need ~1000, so the prefix
@@ -446,7 +442,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="fairness: a server setting (repeatable), e.g. engine.batch_prefill=false")
     args = ap.parse_args()
-    command = "python latency_bench/soak.py " + " ".join(sys.argv[1:])
+    command = "python -m latency_bench soak " + " ".join(sys.argv[1:])
     if args.fairness:
         result = run_fairness(args.editors, args.requests, args.rounds, args.seed, command, tuple(args.set))
         section, broken = fairness_section(result), []

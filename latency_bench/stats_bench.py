@@ -4,7 +4,7 @@ against sorting every kept request per window and per 10 s step, as it did
 before. Both measured side by side, alternating, on the same requests (spread
 over the last 15 minutes); also what recording one request costs each.
 
-    python latency_bench/stats_bench.py [--sizes 1000 61000 200000] [--out bench-results/stats.json]
+    python -m latency_bench stats [--sizes 1000 61000 200000] [--out bench-results/stats.json]
 
 Ratios are what count (the machine is shared and noisy).
 """

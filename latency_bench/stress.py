@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from run_results import Fault, Memory
+from latency_bench.run_results import Fault, Memory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from server_harness import ServerProcess, collect, complete_msg, connect
+from latency_bench.harness import ServerProcess, collect, complete_msg, connect
 
 
 async def main(port: int, requests: list[dict]) -> None:

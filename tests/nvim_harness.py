@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pynvim
 
-from server_harness import ROOT, TOKEN, ServerProcess, running_server
+from latency_bench.harness import ROOT, TOKEN, ServerProcess, running_server
 
 PLUGIN = ROOT / "editor_clients" / "neovim"
 # The plugin's suite runs on Debian's Neovim (0.7) and on a modern one: the

@@ -6,7 +6,7 @@ config.lua defaults and optional options) and has a troubleshooting section
 import json
 import re
 
-from server_harness import ROOT
+from latency_bench.harness import ROOT
 
 CLIENTS = ROOT / "editor_clients"
 

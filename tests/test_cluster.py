@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from completer.cluster.routing import AffinityTable, prefix_hash, prefix_holders
-from server_harness import CLUSTER, ROOT, collect, collect_all, complete_msg, connect, running_server, scrape
+from latency_bench.harness import CLUSTER, ROOT, collect, collect_all, complete_msg, connect, running_server, scrape
 
 DOCS = {
     "file:///proj/shapes.py": "import math\n\n\nclass Circle:\n    def __init__(self, radius):\n        self.",

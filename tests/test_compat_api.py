@@ -20,7 +20,7 @@ from completer.server.compat.generation import Budget, indent_end
 from completer.server.compat.raw_prompt import split_prompt
 from completer.server.compat.shapes import LlamaTimings
 from completer.server.security import api_key_matches
-from server_harness import TOKEN, collect, complete_msg, connect, running_server, scrape
+from latency_bench.harness import TOKEN, collect, complete_msg, connect, running_server, scrape
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BLOCK = 16  # engine.block_size, set for the server below

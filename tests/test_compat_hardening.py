@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from server_harness import TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.harness import TOKEN, collect, complete_msg, connect, running_server
 
 HEADER_S, BODY_S, IDLE_S = 1.0, 1.0, 3.0
 PROMPT = {"input_prefix": "import os\n\n\ndef walk(top):\n    for root, dirs, files in os.walk(top):\n" * 6,

@@ -9,7 +9,7 @@ import base64
 import pytest
 
 from devtools import CHROMIUM, chromium, wait_for
-from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
 
 ARTIFACTS = ROOT / "test-artifacts"
 

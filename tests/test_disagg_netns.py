@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from completer.evaluate import heldout_files
-from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server, stop_server
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server, stop_server
 
 PY = sys.executable
 START_TIMEOUT_S = 120.0

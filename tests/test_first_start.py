@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 
 from readme_blocks import ROOT, shell_blocks
-from server_harness import stop_server
+from latency_bench.harness import stop_server
 from test_startup import start
 
 

@@ -219,7 +219,7 @@ SERVE_PROMPTS = [
 
 
 async def served_completions(precision: str) -> tuple[list[str], list[str]]:
-    from server_harness import collect, complete_msg, connect, running_server
+    from latency_bench.harness import collect, complete_msg, connect, running_server
 
     with running_server(f'model.precision="{precision}"', "engine.threads=1") as server:
         async with connect(server) as ws:

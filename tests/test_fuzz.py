@@ -8,20 +8,15 @@ same checks over 100,000 frames; here is a bounded run of them.
 """
 
 import json
-import sys
-from pathlib import Path
 
 import hypothesis.strategies as st
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "latency_bench"))
-import fuzz  # noqa: E402
-import fuzz_frames  # noqa: E402
-from server_harness import collect, complete_msg, connect, running_server  # noqa: E402
-
-from completer.protocol import MAX_TOKENS, Error, decode, encode  # noqa: E402
+from completer.protocol import MAX_TOKENS, Error, decode, encode
+from latency_bench import fuzz, fuzz_frames
+from latency_bench.harness import collect, complete_msg, connect, running_server
 
 # The CI-bounded run: 50 frames of each kind over one connection (~10 s on an
 # idle 2-core machine, a minute on a busy one).
@@ -131,7 +126,7 @@ async def test_fuzzed_frames_each_get_their_documented_answer_and_the_connection
 async def test_fuzzed_http_requests_to_the_compat_routes_each_get_a_status_and_every_error_in_json(server):
     """latency_bench/fuzz_http.py, short: the frames as bodies of the HTTP
     routes, with missing, wrong, non-ASCII keys, foreign hosts and lying lengths."""
-    import fuzz_http
+    from latency_bench import fuzz_http
 
     figures = await fuzz_http.fuzz_http(server.compat, 300, seed=2, concurrency=8, batch=300)
     assert figures["problems"] == {}, figures["examples"]

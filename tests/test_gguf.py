@@ -159,7 +159,7 @@ def test_serve_stops_at_start_on_a_bad_gguf(tmp_path):
 
 async def test_serve_serves_a_gguf_the_user_has(tmp_path):
     """`completer serve --model X.gguf`: ready, and completions stream."""
-    from server_harness import collect, complete_msg, connect, running_server
+    from latency_bench.harness import collect, complete_msg, connect, running_server
 
     path, _ = write_pair(tmp_path, "qwen2", Q.Q4_K)
     with running_server("engine.threads=1", model=str(path)) as server:

@@ -1,18 +1,17 @@
 """latency_bench/gpu_check.py runs end to end on CPU with --dry-run (tiny
-shapes, Triton interpreter): every section, correctness passing, JSON written,
-the table printed last."""
+shapes, Triton interpreter), as `python -m latency_bench gpu-check` runs it:
+every section, correctness passing, JSON written, the table printed last."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "latency_bench" / "gpu_check.py"
+from latency_bench.harness import ROOT
 
 
 def test_gpu_check_dry_run(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "latency_bench", "gpu-check", "--dry-run", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["dry_run"] and results["fp8_emulation"]

@@ -15,11 +15,9 @@ import urllib.request
 
 import pytest
 
-from server_harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
-
-sys.path.insert(0, str(ROOT / "latency_bench"))
-from keystrokes import EditorState, corpus_files, make_trace  # noqa: E402
-from replay import ReplayOptions, replay, summarize, traces  # noqa: E402
+from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.keystrokes import EditorState, corpus_files, make_trace
+from latency_bench.replay import ReplayOptions, replay, summarize, traces
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +86,7 @@ def test_keystrokes_typed_one_after_another_find_most_of_their_prompt_cached(fil
 
 def test_the_matrix_command_runs_its_rows_and_writes_the_report(tmp_path):
     out = tmp_path / "k.json"
-    done = subprocess.run([sys.executable, str(ROOT / "latency_bench/keystroke_bench.py"), "--model", "embedded",
+    done = subprocess.run([sys.executable, "-m", "latency_bench", "keystroke", "--model", "embedded",
                            "--rows", "all_on", "no_prefix_cache", "--editors", "1", "2", "--seconds", "4",
                            "--out", str(out), "--no-docs"], check=True, cwd=ROOT, timeout=600,
                           capture_output=True, text=True)

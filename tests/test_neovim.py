@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from nvim_harness import Editor, free_port, keys, metric, nvim_build, nvim_builds, server_on, wait_until
-from server_harness import ROOT, TOKEN
+from latency_bench.harness import ROOT, TOKEN
 
 # Skipped without Neovim on a developer's machine; in CI (CI=true) a missing nvim fails.
 pytestmark = pytest.mark.skipif(shutil.which("nvim") is None and not os.environ.get("CI")

@@ -11,17 +11,14 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from nvim_harness import Editor, keys, nvim_build, wait_until
-from server_harness import ROOT, TOKEN, running_server
-
-sys.path.insert(0, str(ROOT / "latency_bench"))
-from keystrokes import corpus_files  # noqa: E402
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystrokes import corpus_files
 
 pytestmark = pytest.mark.skipif(shutil.which("nvim") is None and not os.environ.get("CI")
                                 and not os.environ.get("COMPLETER_TEST_NVIM"), reason="nvim is not installed")

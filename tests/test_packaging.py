@@ -8,7 +8,7 @@ import subprocess
 import sys
 import zipfile
 
-from server_harness import ROOT
+from latency_bench.harness import ROOT
 
 
 def test_the_wheel_carries_every_python_file_and_packaged_model(tmp_path):
@@ -24,4 +24,5 @@ def test_the_wheel_carries_every_python_file_and_packaged_model(tmp_path):
                 for p in (ROOT / "completer").rglob("*") if p.suffix in (".py", ".html", ".safetensors")}
     expected |= {f"completer_kernels/{p.relative_to(ROOT / 'kernels').as_posix()}"
                  for p in (ROOT / "kernels").rglob("*") if p.suffix in (".py", ".cpp", ".h")}
+    expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "latency_bench").rglob("*.py")}
     assert sorted(expected - shipped) == []

@@ -98,7 +98,7 @@ def test_the_store_keeps_a_connections_other_files_newest_first_within_its_budge
 
 
 async def test_a_file_completed_in_earlier_is_context_for_the_next_on_the_real_server():
-    from server_harness import collect, complete_msg, connect, running_server
+    from latency_bench.harness import collect, complete_msg, connect, running_server
 
     models = MODELS + "\n"
     with running_server() as server:

@@ -6,7 +6,7 @@ points there)."""
 
 import re
 
-from server_harness import ROOT
+from latency_bench.harness import ROOT
 
 CLIENTS = ROOT / "editor_clients"
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from server_harness import collect, collect_all, complete_msg, connect, running_server, scrape
+from latency_bench.harness import collect, collect_all, complete_msg, connect, running_server, scrape
 
 # A deadline no test here races on a loaded 2-core machine.
 SETTINGS = ('model.template="prefix"', "server.max_inflight_per_connection=4", "request.deadline_ms=60000")

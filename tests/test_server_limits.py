@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from server_harness import (collect, collect_all, complete_msg, connect, in_process_server, never_reading_client,
-                            small_buffer_listener)
+from latency_bench.harness import (collect, collect_all, complete_msg, connect, in_process_server,
+                                   never_reading_client, small_buffer_listener)
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from server_harness import CLUSTER, TOKEN, collect, collect_all, complete_msg, connect, running_server
+from latency_bench.harness import CLUSTER, TOKEN, collect, collect_all, complete_msg, connect, running_server
 
 SETTINGS = ("server.max_document_chars=20000", "server.max_frame_bytes=65536",
             "server.max_inflight_per_connection=3")
@@ -181,7 +181,7 @@ def test_one_line_client(server):
     import subprocess
     import sys
 
-    from server_harness import ROOT, TOKEN
+    from latency_bench.harness import ROOT, TOKEN
 
     done = subprocess.run([sys.executable, "-m", "completer.client", "examples/shapes.py:27:9",
                            "--url", server.ws_url, "--token", TOKEN], cwd=ROOT, capture_output=True,

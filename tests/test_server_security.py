@@ -11,8 +11,8 @@ import time
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from server_harness import (TOKEN, ServerProcess, collect, complete_msg, connect, in_process_server,
-                            never_reading_client, running_server, scrape, small_buffer_listener)
+from latency_bench.harness import (TOKEN, ServerProcess, collect, complete_msg, connect, in_process_server,
+                                   never_reading_client, running_server, scrape, small_buffer_listener)
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 
@@ -223,7 +223,7 @@ import re  # noqa: E402
 import stat  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from server_harness import stop_server  # noqa: E402
+from latency_bench.harness import stop_server  # noqa: E402
 from test_startup import refused, serve_until_listening, start  # noqa: E402
 
 SHORT = "fifteen-chars-x"  # one under the minimum

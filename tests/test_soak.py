@@ -5,15 +5,11 @@ port beside them): the invariants of docs/protocol.md and of a server that
 gives back what it took. Speed is not asserted here; latency_bench/soak.py
 and RELIABILITY.md report it."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "latency_bench"))
-import http_editors  # noqa: E402
-import soak  # noqa: E402
+from latency_bench import http_editors, soak
 
 OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
 
@@ -103,7 +99,7 @@ def test_the_new_invariants_break_on_an_http_request_without_json_kv_held_past_5
     # The verdict's own logic, on the soak's result with one thing at a time gone wrong.
     import msgspec
 
-    from run_results import Fault, violations
+    from latency_bench.run_results import Fault, violations
 
     assert violations(result) == []
     replace = msgspec.structs.replace

@@ -10,14 +10,14 @@ import threading
 
 import pytest
 
-from server_harness import ROOT, TOKEN, stop_server
+from latency_bench.harness import ROOT, TOKEN, stop_server
 
 
 def start(*args: str, env: dict | None = None, until: str = "listening on",
           timeout: float = 120) -> tuple[subprocess.Popen, list[str]]:
     """`completer serve --port 0 ARGS`, read until a line contains `until` or
     it exits: (the process, what it printed so far, stdout and stderr in
-    order). The caller stops it (server_harness.stop_server)."""
+    order). The caller stops it (latency_bench.harness.stop_server)."""
     # compat.port too: its default, 8012, may be another server's (and a start there would warn).
     cmd = [sys.executable, "-m", "completer.cli", "serve", "--port", "0", "--set", "compat.port=0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

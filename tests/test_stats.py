@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from completer.server.metrics import Metrics
 from completer.server.rolling_stats import RELATIVE_ERROR, Record
-from server_harness import TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.harness import TOKEN, collect, complete_msg, connect, running_server
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n        "
 

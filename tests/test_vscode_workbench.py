@@ -43,7 +43,7 @@ import websockets
 
 import code_server
 from devtools import CHROMIUM, CTRL, DevTools, chromium, wait_for
-from server_harness import ROOT, TOKEN, running_server
+from latency_bench.harness import ROOT, TOKEN, running_server
 
 EXTENSION = ROOT / "editor_clients" / "vscode"
 ARTIFACTS = ROOT / "test-artifacts"

@@ -134,7 +134,7 @@ def test_a_definition_ranks_ahead_of_an_open_buffer_on_a_tie():
 
 
 async def test_excluded_files_never_reach_the_prompt_on_the_real_server(tmp_path):
-    from server_harness import collect, connect, running_server
+    from latency_bench.harness import collect, connect, running_server
 
     ws = make_workspace(tmp_path)
     doc = document(ws)
@@ -168,7 +168,7 @@ async def test_excluded_files_never_reach_the_prompt_on_the_real_server(tmp_path
 
 
 async def test_a_file_of_one_workspace_is_never_a_candidate_in_another_on_the_real_server():
-    from server_harness import collect, complete_msg, connect, running_server
+    from latency_bench.harness import collect, complete_msg, connect, running_server
 
     with running_server() as server:
         async with connect(server) as ws:

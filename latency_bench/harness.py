@@ -1,6 +1,8 @@
-"""Start the real `completer serve` (the small embedded models unless a test
-names another, ephemeral port) for tests, and a small protocol client over the
-`websockets` library."""
+"""Start the real `completer serve` (the small embedded models unless the
+caller names another, ephemeral port) for tests and benchmarks, and a small
+protocol client over the `websockets` library: connect, `complete` frames,
+collecting answers, scraping /metrics. The tests import it as
+`latency_bench.harness`, as the benchmarks do."""
 
 from __future__ import annotations
 
