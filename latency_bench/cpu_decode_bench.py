@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import sys
 import time
@@ -70,7 +69,7 @@ from latency_bench import llama_peer
 from latency_bench.engine_bench import median
 from latency_bench.harness import ROOT
 from latency_bench.replay import prompt_states
-from latency_bench.run_results import machine, now
+from latency_bench.run_results import machine, now, write_result
 
 COMPLETER_ROWS = {  # name: (precision, fuse, engine settings beside the defaults)
     "fp32": ("fp32", True, {}), "fp32_unfused": ("fp32", False, {}),
@@ -382,8 +381,7 @@ def main() -> int:
         console.print(line)
     for name, why in results["skipped"].items():
         console.print(f"skipped {name}: {why}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out, results)
     return 0
 
 

@@ -27,6 +27,7 @@ from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
 from completer.loading import LoadedModel, load_models
+from latency_bench.run_results import write_result
 
 
 def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, threads: int,
@@ -98,8 +99,7 @@ def main() -> int:
     out.write(asyncio.run(pass_costs(target, draft, args.threads, args.compile)))
     print(out.getvalue())
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(out.getvalue())
+        write_result(args.out, out.getvalue())
     return 0
 
 

@@ -62,7 +62,7 @@ from completer.evaluate import heldout_files
 from completer.model_store import resolve_target
 from latency_bench.editors import keep_reading_log
 from latency_bench.harness import ROOT, TOKEN, ServerProcess, complete_msg, connect, running_server
-from latency_bench.run_results import machine, now
+from latency_bench.run_results import machine, now, write_result
 
 LONG_DEADLINE_MS = 120_000
 COMMON = ("model.context_tokens=8192", "engine.kv_cache_mb=3072")
@@ -330,8 +330,7 @@ def main() -> int:
               "samples": {name: {k: r[k] for k in ("warmups", "short", "long", "measured_s", "settings",
                                                    "loadavg_before_after", "server_exit")}
                           for name, r in raw.items()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

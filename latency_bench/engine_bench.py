@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,8 @@ from completer.evaluate import heldout_files, line_starts
 from completer.loading import LoadedModel, load_models
 from completer.pipeline import CompletionPipeline, RequestOptions, display_path
 from completer.protocol import Document
+from latency_bench.harness import model_arguments
+from latency_bench.run_results import write_result
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -315,11 +316,10 @@ async def main_async(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="default", help="as `completer serve --model` (default: SmolLM2-135M)")
-    p.add_argument("--draft", default="default", help="as model.draft: the target's own drafter, if any")
-    p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=5)
+    model_arguments(p)
+    p.add_argument("--prompts", type=int, default=20, help="held-out prompts (pip's sources)")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens of each")
+    p.add_argument("--repeats", type=int, default=5, help="alternating off/on pairs of each decode row")
     p.add_argument("--precision", choices=["auto", *PRECISION_DTYPES], default="auto",
                    help="weights precision of both HF and the engine (auto: as `completer serve`)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -343,8 +343,7 @@ def main() -> int:
         table.add_row(*row)
     Console(width=120).print(table)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(args.out, results)
     return 0
 
 

@@ -11,7 +11,6 @@ per-channel weight scales, per-token activation scales).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ from completer.evaluate import (bits_per_byte, draft_acceptance, exact_match, he
                                 line_starts)
 from completer.fp8 import LINEAR_NAMES, quantize_linears, quantize_rows
 from completer.loading import LoadedModel, load, load_models
+from latency_bench.harness import model_arguments
+from latency_bench.run_results import write_result
 
 
 @torch.inference_mode()
@@ -95,8 +96,7 @@ WHAT_IF = {  # name -> (input rounding, weight rounding)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="default", help="as `completer serve --model` (default: SmolLM2-135M)")
-    p.add_argument("--draft", default="default", help="as model.draft: the target's own drafter, if any")
+    model_arguments(p)
     p.add_argument("--lines", type=int, default=200)
     p.add_argument("--chunks", type=int, default=32)
     p.add_argument("--accept-prompts", type=int, default=50)
@@ -165,8 +165,7 @@ def main() -> int:
         print(f"top-1 agreement, {name}: {agreement:.2%}")
     print(f"exact-match change: {(f['exact_match'] - b['exact_match']) * 100:+.1f} points")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.out, report)
     return 0
 
 

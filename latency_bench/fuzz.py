@@ -36,6 +36,7 @@ from websockets.exceptions import ConnectionClosed
 from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode
 from latency_bench.fuzz_frames import Frame, draw_frames
 from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
+from latency_bench.run_results import write_result
 
 TOKEN = "fuzz-token-0123456789abcdef"  # the server wants 16 characters or more
 # The run is about the protocol, not the model: few tokens, a short window
@@ -280,8 +281,7 @@ def main() -> int:
     report = msgspec.json.format(msgspec.json.encode(figures))
     print(report.decode())
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(report)
+        write_result(args.json, report)
     return 1 if figures.broken() else 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from latency_bench.fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb
 from latency_bench.harness import running_server
+from latency_bench.run_results import write_result
 
 ROUTES = [("POST", "/infill"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
           ("GET", "/health"), ("GET", "/props"), ("GET", "/v1/models"), ("GET", "/nowhere"), ("PUT", "/infill")]
@@ -171,8 +172,7 @@ def main() -> int:
     report = json.dumps(figures, indent=2)
     print(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(report)
+        write_result(args.json, report)
     broken = figures["problems"] or figures.get("neighbour_failed") or not figures["server_alive"]
     return 1 if broken else 0
 

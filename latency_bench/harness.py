@@ -25,6 +25,12 @@ CLUSTER = ("cluster.enabled=true", "cluster.replicas=2", "cluster.cpus_per_repli
            "cluster.health_check_period_s=0.5", "cluster.routing_stats_period_s=0.5")
 
 
+def model_arguments(parser) -> None:
+    """`--target` and `--draft` as the in-process benchmarks take them."""
+    parser.add_argument("--target", default="default", help="as `completer serve --model` (default: SmolLM2-135M)")
+    parser.add_argument("--draft", default="default", help="as model.draft: the target's own drafter, if any")
+
+
 class ServerProcess:
     def __init__(self, proc: subprocess.Popen, port: int, log: list[str]):
         self.proc, self.port, self.log = proc, port, log

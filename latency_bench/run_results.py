@@ -6,6 +6,7 @@ benchmark records with its figures (`machine`, `now`)."""
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -197,6 +198,16 @@ def machine() -> Machine:
                    round(psutil.virtual_memory().total / 2**30, 1), platform.python_version(),
                    git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain")),
                    [round(x, 1) for x in psutil.getloadavg()])
+
+
+def write_result(path: Path, result: bytes | str | dict) -> None:
+    """A benchmark's figures to `path` (its folder made): bytes and text as
+    they are, a dict as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(result, bytes):
+        path.write_bytes(result)
+    else:
+        path.write_text(result if isinstance(result, str) else json.dumps(result, indent=2) + "\n")
 
 
 def now() -> str:

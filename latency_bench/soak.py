@@ -73,7 +73,7 @@ from latency_bench.harness import scrape as scrape_all
 from latency_bench.http_editors import http_editor
 from latency_bench.reliability import fairness_section, soak_section
 from latency_bench.run_results import (Fault, Gauges, IdleCheck, KvPlan, Minute, PhaseSpan, Sample, Slowest, SoakResult,
-                                       machine, now, violations)
+                                       machine, now, violations, write_result)
 from latency_bench.stress import SideLoads, inject, memory
 
 # 16 MB gives the embedded target 145 blocks: a full-window request reserves 65
@@ -452,8 +452,7 @@ def main() -> int:
         section, broken = soak_section(result), violations(result)
     Console().print(Markdown("\n".join(section)))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+        write_result(args.json, msgspec.json.format(msgspec.json.encode(result)))
     return 1 if broken else 0
 
 

@@ -12,7 +12,6 @@ Ratios are what count (the machine is shared and noisy).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 
 from completer.server.metrics import Metrics
 from completer.server.rolling_stats import SERIES_STEP_S, WINDOWS, Record
+from latency_bench.run_results import write_result
 
 
 class SortingStats:
@@ -108,8 +108,7 @@ def main() -> int:
         print(f"{row['requests']:>9} {call['histograms']:>14.2f} {call['sorting']:>11.2f} "
               f"{row['sorting_over_histograms']:>12.1f}x {rec['histograms']:>14.2f} / {rec['sorting']:.2f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
+        write_result(args.out, {"command": " ".join(sys.argv), "rows": rows})
     return 0
 
 
