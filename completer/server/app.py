@@ -36,6 +36,7 @@ from completer.pipeline import CompletionPipeline
 from completer.server import security
 from completer.server.compat.http import CompatServer
 from completer.server.metrics import Live, Metrics
+from completer.server.service import CompletionService
 from completer.server.session import Session
 from completer.startup import StartupProgress
 from completer_kernels import cpu_decode
@@ -57,14 +58,14 @@ class App:
         self.draft: LoadedModel | None = None
         self.engine: Engine | LinkedEngine | None = None
         self.cluster: LinkedEngine | None = None  # the engine, under `--cluster`
-        self.pipeline: CompletionPipeline | None = None
         self.local_workers: list = []  # disagg.local_workers.LocalWorker
         self.sessions: set[Session] = set()
         self.connections = 0
-        self.stopping = False  # shutting down: no new requests start
+        # The completions themselves, whichever door they come through (the engine attached once ready).
+        self.service = CompletionService(config, self.metrics)
         self.scheme = "https" if config.server.tls_cert else "http"
         self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
-        self.compat = CompatServer(self) if config.compat.enabled else None
+        self.compat = CompatServer(self.service, token) if config.compat.enabled else None
 
     # -- models ---------------------------------------------------------------
 
@@ -119,8 +120,7 @@ class App:
         self.progress.enter("starting the engine replicas", f"Ray Serve app {c.app!r}")
         await engine.start()
         self.cluster = engine
-        self.pipeline = CompletionPipeline(self.target, self.config)
-        self.engine = engine
+        self.attach(engine)
 
     async def start_engine(self, on_loaded=None) -> None:
         """Load the models (and start the prefill workers), call `on_loaded()`,
@@ -160,8 +160,11 @@ class App:
             engine.start(loop)
             return engine
 
-        engine = await asyncio.to_thread(run_in_passing_thread, build)
-        self.pipeline = CompletionPipeline(self.target, self.config)
+        self.attach(await asyncio.to_thread(run_in_passing_thread, build))
+
+    def attach(self, engine: Engine | LinkedEngine) -> None:
+        """Ready: the service completes through `engine` from now on."""
+        self.service.attach(CompletionPipeline(self.target, self.config), engine, self.target, self.draft)
         self.engine = engine
 
     # -- HTTP ------------------------------------------------------------------
@@ -184,8 +187,7 @@ class App:
         Runs on the event loop (all_tasks is its tasks); the engine thread may
         be changing the lists and pools read here, and len() of them is atomic."""
         live = Live(sessions=len(self.sessions), event_loop_tasks=len(asyncio.all_tasks()),
-                    requests_in_flight=sum(len(s.inflight) for s in self.sessions)
-                    + (len(self.compat.engine.inflight) if self.compat is not None else 0))
+                    requests_in_flight=self.service.in_flight)
         if self.engine is not None:
             engine = self.engine.live()
             live.running, live.waiting = engine.running, engine.waiting
@@ -247,7 +249,7 @@ class App:
 
     async def handler(self, ws: ServerConnection) -> None:
         self.connections += 1
-        session = Session(self, ws, self.connections)
+        session = Session(self.service, ws, self.connections)
         self.sessions.add(session)
         try:
             await session.run()
@@ -258,14 +260,11 @@ class App:
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Start nothing new; end every request in flight with `done` (cancelled)
         and send those frames, within `grace_s`."""
-        self.stopping = True
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
-        for session in list(self.sessions):
-            for request_id in list(session.inflight):
-                self.engine.cancel(session.engine_id(request_id))
-        if self.compat is not None:  # their clients get 503 (their listener closes after the sockets)
-            self.compat.engine.cancel_all()
+        # Both doors' requests: the sessions send `done`, the compatible routes' clients get 503 (their
+        # listener closes after the sockets).
+        self.service.stop()
         pending = [t for s in self.sessions for t in s.inflight.values()]
         if pending:
             await asyncio.wait(pending, timeout=max(0.0, end - loop.time()))

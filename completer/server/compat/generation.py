@@ -1,7 +1,10 @@
-"""One compatible request through the same pipeline and engine as a
-WebSocket `complete`: the prompt built by `CompletionPipeline` (template,
-window, token healing) from a per-client document state, the engine's stop
-logic and prefix cache, the server's limits and metrics.
+"""One compatible request through the completion service
+(server/service.py), as a WebSocket `complete` goes: the same admission,
+the prompt built by `CompletionPipeline` (template, window, token healing)
+from a per-client document state, the engine's stop logic and prefix
+cache, the server's limits and metrics. Here: the service's refusals and
+the engine's errors as HTTP statuses, and what llama.cpp's clients expect
+that the protocol does not.
 
 What differs from a WebSocket session, and why:
 - No supersede: an HTTP request always gets its answer (llama.vim waits for
@@ -22,23 +25,34 @@ What differs from a WebSocket session, and why:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from completer.document import DocumentPrompt
-from completer.engine.request import EngineError, Request, Timings
-from completer.pipeline import RequestOptions
+from completer.engine.request import EngineError, Timings
 from completer.protocol import MAX_TEMPERATURE, ContextItem, Document
 from completer.server.compat.wire import CONNECTIONS, HttpError
-
-if TYPE_CHECKING:
-    from completer.server.app import App
+from completer.server.service import CompletionService, Flight, Refused, RequestOptions, request_chars
 
 # The engine's error codes (the protocol's) as HTTP statuses.
 STATUS_OF = {"bad_request": 400, "too_large": 413, "overloaded": 503, "internal": 500, "unsupported": 501}
+# The service's refusals as HTTP statuses and messages.
+REFUSALS = {
+    "too_large": (413, "prefix, suffix, extra context and stop strings hold {count} characters; "
+                       "the limit is {limit} (server.max_document_chars)"),
+    "duplicate": (400, "request {id} is already in flight"),
+    "loading": (503, "Loading model"),  # llama.cpp's words: clients wait on them
+    "stopping": (503, "the server is shutting down"),
+    "busy": (429, "{count} requests in flight on these routes (compat.max_inflight); retry when one ends"),
+}
+
+
+def http_error(refused: Refused, request_id: str = "") -> HttpError:
+    return HttpError(*refused.words(REFUSALS, request_id))
+
+
+def engine_http_error(e: EngineError) -> HttpError:
+    return HttpError(STATUS_OF.get(e.code, 500), str(e))
 
 
 def indent_end(text: str, n_indent: int) -> int | None:
@@ -94,34 +108,30 @@ def seed_of(value: int | None) -> int | None:
     return None if value is None or value < 0 else value % 2**63
 
 
-def document_chars(document: Document, context: Iterable[ContextItem], stop: Iterable[str]) -> int:
-    """What server.max_document_chars bounds, counted as a session counts it."""
-    return len(document.prefix) + len(document.suffix) + sum(len(c.uri) + len(c.text) for c in context) \
-        + sum(map(len, stop))
-
-
 class CompatEngine:
-    """The compatible routes' way into the pipeline and the engine."""
+    """The compatible routes' adapter to the completion service: one client
+    of it for all their HTTP clients (one document state, kept per sender,
+    and one in-flight limit, compat.max_inflight), each sender with its own
+    cache salt and affinity."""
 
-    def __init__(self, app: "App"):
-        self.app = app
-        self.documents: OrderedDict[tuple[str, bool], DocumentPrompt] = OrderedDict()  # least recent first
-        self.inflight: set[str] = set()  # engine ids
+    def __init__(self, service: CompletionService):
+        self.service, self.config = service, service.config
+        self.door = service.client("compat", limit=service.config.compat.max_inflight)
         self.count = 0
         self.started = int(time.time())  # /v1/models' `created`
 
     @property
     def body_limit(self) -> int:
         """A request body is the HTTP side's frame: server.max_frame_bytes bounds both."""
-        return self.app.config.server.max_frame_bytes
+        return self.config.server.max_frame_bytes
 
     @property
     def body_timeout_s(self) -> float:
-        return self.app.config.compat.body_timeout_s
+        return self.config.compat.body_timeout_s
 
     @property
     def model_name(self) -> str:
-        return self.app.target.name
+        return self.service.target.name
 
     def client_of(self, request, slot: object) -> str:
         """Who sent `request`, for its document state, its cache salt and a
@@ -129,87 +139,68 @@ class CompatEngine:
         server.prefix_cache_scope = "connection", its TCP connection instead
         (every local process is 127.0.0.1 and llama.vim sends no id_slot, so
         the address would let one process read another's cache in cache_n)."""
-        if self.app.config.server.prefix_cache_scope == "connection":
+        if self.config.server.prefix_cache_scope == "connection":
             conn = request.app[CONNECTIONS].of(request)
             return f"connection {conn.serial if conn is not None else id(request)}/{slot}"
         return f"{request.remote}/{slot}"
 
     def check_ready(self) -> None:
-        if self.app.engine is None:
-            raise HttpError(503, "Loading model")  # llama.cpp's words: clients wait on them
-        if self.app.stopping:
-            raise HttpError(503, "the server is shutting down")
+        try:
+            self.service.check_open()
+        except Refused as r:
+            raise http_error(r) from None
 
-    def prepare(self, client: str, document: Document, context: list[ContextItem], options: RequestOptions,
-                received: float) -> tuple[Request, bool]:
-        """The engine request and whether the window left out the document's
-        start; raises HttpError (503 loading, 429, 413) before any work."""
-        app = self.app
-        self.check_ready()
-        if len(self.inflight) >= app.config.compat.max_inflight:
-            raise HttpError(429, f"{len(self.inflight)} requests in flight on these routes "
-                                 f"(compat.max_inflight); retry when one ends")
-        limit = app.config.server.max_document_chars
-        if (size := document_chars(document, context, options.stop)) > limit:
-            raise HttpError(413, f"prefix, suffix, extra context and stop strings hold {size} characters; "
-                                 f"the limit is {limit} (server.max_document_chars)")
-        if app.config.server.prefix_cache_scope == "connection":
-            options = msgspec.structs.replace(options, cache_salt=client)
-        key = (client, options.priming)
+    def start(self, route: str, client: str, document: Document, context: list[ContextItem],
+              options: RequestOptions, received: float) -> tuple[Flight, bool]:
+        """Submit the request from `client` (client_of); the flight and whether
+        the window left out the document's start. Raises HttpError (413, 503
+        loading, 429) before any work, 500 if the request could not be built."""
+        sender, request_id = self.door.sender(client), f"http{self.count + 1}"
+        try:
+            sender.admit(request_id, request_chars(document, context, options.stop))
+        except Refused as r:
+            raise http_error(r, request_id) from None
         # llama.cpp's placement: input_extra chunks in the order sent (llama.vim primes them so, with
         # an empty prefix, and expects the next keystroke to find them cached), not retrieved.
-        state = self.documents.pop(key, None) or app.pipeline.document(retrieval=False)
-        self.documents[key] = state
-        while len(self.documents) > app.config.server.max_documents_per_connection:
-            self.documents.popitem(last=False)
+        state, _ = sender.document((client, options.priming), retrieval=False)
         self.count += 1
         try:
-            request = app.pipeline.request(f"http{self.count}", document, context, options, state, received)
-        except Exception as e:  # never let one request take the server down
-            raise HttpError(500, f"{type(e).__name__}: {e}") from None
-        return request, state.prefix_start > 0
-
-    async def run(self, route: str, request: Request, budget: Budget, received: float, truncated: bool,
-                  on_piece: Callable[[str], Awaitable[None]] | None = None, client: str = "") -> Outcome:
-        """Submit and follow one request to its end; `on_piece` takes the text
-        as it comes. Raises HttpError for what the engine refused. If the
-        caller is cancelled (its client disconnected) or `on_piece` fails (a
-        write to a closed socket), the engine request is cancelled at once.
-        `client`: who sent it (a cluster keeps its requests on one replica)."""
-        app = self.app
-        stream = app.engine.submit(request, affinity=client)
-        self.inflight.add(request.id)
-        text, cut, started = "", False, None
-        try:
-            async for delta in stream:
-                now = time.perf_counter()
-                started = started or now
-                piece = delta.text
-                if (end := budget.end(text, piece, now - started)) is not None:
-                    piece, cut = piece[:end], True
-                text += piece
-                if piece and on_piece is not None:
-                    await on_piece(piece)
-                if cut:
-                    app.engine.cancel(request.id)
-                    break
-            done = await stream.finished()
+            flight = sender.submit(request_id, document, context, options, state, received, route=route)
         except EngineError as e:
-            raise HttpError(STATUS_OF.get(e.code, 500), str(e)) from None
-        finally:
-            self.inflight.discard(request.id)
-            if stream.result is None:  # the client left: the blocks return now, not at its deadline
-                app.engine.cancel(request.id)
+            raise engine_http_error(e) from None
+        return flight, state.prefix_start > 0
+
+    async def run(self, flight: Flight, budget: Budget, truncated: bool,
+                  on_piece: Callable[[str], Awaitable[None]] | None = None) -> Outcome:
+        """Follow one request to its end; `on_piece` takes the text as it
+        comes. Raises HttpError for what the engine refused. If the caller
+        is cancelled (its client disconnected) or `on_piece` fails (a write
+        to a closed socket), the engine request is cancelled at once."""
+        text, cut, started = "", False, None
+
+        async def take(piece: str) -> bool:
+            nonlocal text, cut, started
+            now = time.perf_counter()
+            started = started or now
+            if (end := budget.end(text, piece, now - started)) is not None:
+                piece, cut = piece[:end], True
+            text += piece
+            if piece and on_piece is not None:
+                await on_piece(piece)
+            return cut
+
+        try:
+            done = await self.door.follow(flight, take)
+        except EngineError as e:
+            raise engine_http_error(e) from None
         if done.reason == "cancelled" and not cut:  # not ours: the server's shutdown
-            raise HttpError(503, "the server is shutting down")
+            raise http_error(Refused("stopping"))
         reason = "limit" if cut else done.reason
         candidates = tuple(c[:indent_end(c, budget.n_indent)] for c in done.candidates)
-        app.metrics.observe_done(done.timings, reason, received, priming=request.params.priming,
-                                 route=route)
-        return Outcome(text if cut else done.text, reason, done.timings, candidates, request.params.max_tokens,
-                       truncated)
+        self.service.observe(flight, done, reason)
+        return Outcome(text if cut else done.text, reason, done.timings, candidates,
+                       flight.request.params.max_tokens, truncated)
 
     def cancel_all(self) -> None:
         """Shutdown: every request in flight ends now (its client gets 503)."""
-        for request_id in self.inflight:
-            self.app.engine.cancel(request_id)
+        self.door.cancel_all()

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import ssl
 import sys
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -30,9 +29,7 @@ from completer.server.compat import llama_api, openai_api
 from completer.server.compat.connections import ConnectionGuard, GuardedSite
 from completer.server.compat.generation import CompatEngine
 from completer.server.compat.wire import CONNECTIONS, ENGINE, HttpError, error_response
-
-if TYPE_CHECKING:
-    from completer.server.app import App
+from completer.server.service import CompletionService
 
 log = logging.getLogger(__name__)
 # aiohttp logs each malformed request with its traceback (and answers it 400): a log any client
@@ -59,13 +56,13 @@ CORS_HEADERS = {"Access-Control-Allow-Methods": "GET, POST",
 
 
 class CompatServer:
-    def __init__(self, app: "App"):
-        self.app = app
-        self.engine = CompatEngine(app)
-        self.host = app.config.compat.host or app.config.server.host
+    def __init__(self, service: CompletionService, token: str):
+        self.config, self.metrics, self.token = service.config, service.metrics, token
+        self.engine = CompatEngine(service)
+        self.host = self.config.compat.host or self.config.server.host
         self.scheme = "http"
         self.runner: web.AppRunner | None = None
-        c = app.config.compat
+        c = self.config.compat
         self.connections = ConnectionGuard(lambda: None, c.max_connections, c.header_timeout_s, c.idle_timeout_s)
         self.port: int | None = None  # once listening
 
@@ -73,7 +70,7 @@ class CompatServer:
         """Listen (with the server's TLS, if any); the port, or None when it
         cannot be had: the WebSocket server still serves, with a warning (a
         llama-server already on 8012 is no reason to refuse the editors)."""
-        c = self.app.config.compat
+        c = self.config.compat
         self.scheme = "https" if tls is not None else "http"
         if not security.is_loopback(self.host) and tls is None:
             print(f"warning: compat API on {self.host} without TLS; the token travels in clear text",
@@ -102,8 +99,7 @@ class CompatServer:
         """Requests in flight end (503), then the listener closes."""
         if self.runner is None:
             return
-        if self.app.engine is not None:
-            self.engine.cancel_all()
+        self.engine.cancel_all()
         await self.runner.cleanup()
         self.runner = None
 
@@ -113,12 +109,12 @@ class CompatServer:
         if not security.host_allowed(host, self.host):
             raise HttpError(403, "Host not allowed (the server is bound to loopback)")
         if not security.origin_allowed(request.headers.get("Origin"), host, self.scheme,
-                                       self.app.config.server.allowed_origins):
+                                       self.config.server.allowed_origins):
             raise HttpError(403, "Origin not allowed (server.allowed_origins)")
         if request.path in PUBLIC or request.method == "OPTIONS":
             return
         h = request.headers
-        if not security.api_key_matches(self.app.token, h.get("Authorization"), h.get("X-Api-Key"),
+        if not security.api_key_matches(self.token, h.get("Authorization"), h.get("X-Api-Key"),
                                         h.get("api-key")):
             raise HttpError(401, "Invalid API Key: send the server's token as `Authorization: Bearer TOKEN` "
                                  "(llama.vim: g:llama_config.api_key; the server prints where it keeps it)")
@@ -139,7 +135,7 @@ class CompatServer:
         except (asyncio.CancelledError, ConnectionError) as e:
             # The client left: aiohttp cancels its handler, or a write to it fails first (its
             # engine request is cancelled either way). Nobody to answer; 499 is for the books.
-            self.app.metrics.count_route(route, "disconnected")
+            self.metrics.count_route(route, "disconnected")
             if isinstance(e, asyncio.CancelledError):
                 raise
             return web.Response(status=499)
@@ -153,13 +149,13 @@ class CompatServer:
                 self.connections.lingering(connection)
             else:
                 self.connections.done(connection)
-        self.app.metrics.count_route(route, str(response.status))
+        self.metrics.count_route(route, str(response.status))
         return response
 
     async def allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
         """An allowed web origin may read the answers (an editor sends no Origin)."""
         origin = request.headers.get("Origin")
         if origin is not None and security.origin_allowed(origin, request.headers.get("Host"), self.scheme,
-                                                          self.app.config.server.allowed_origins):
+                                                          self.config.server.allowed_origins):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"

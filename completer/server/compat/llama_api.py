@@ -11,7 +11,6 @@ import msgspec
 from aiohttp import web
 
 from completer import __version__
-from completer.pipeline import RequestOptions
 from completer.protocol import ContextItem, Document
 from completer.server.compat.generation import Budget, CompatEngine, Outcome, seed_of, temperature_of
 from completer.server.compat.raw_prompt import split_prompt
@@ -19,6 +18,7 @@ from completer.server.compat.shapes import (CompletionRequest, DefaultSettings, 
                                             InfillRequest, LlamaOptions, LlamaPartial, LlamaResult, LlamaTimings,
                                             Props)
 from completer.server.compat.wire import ENGINE, EventStream, HttpError, error_envelope, json_response, read_body
+from completer.server.service import RequestOptions
 
 # The engine's finish reasons as llama.cpp's stop types; "limit" is also a Budget's end.
 STOP_TYPES = {"eos": "eos", "stop": "word", "length": "limit", "deadline": "limit", "limit": "limit"}
@@ -65,12 +65,12 @@ async def answer(request: web.Request, engine: CompatEngine, route: str, body: L
     options = options_of(body)
     if body.stream and options.n > 1:
         raise HttpError(400, "n_cmpl > 1 is not supported with stream", "n_cmpl")
-    client = engine.client_of(request, body.id_slot)
-    engine_request, truncated = engine.prepare(client, document, context, options, received)
+    flight, truncated = engine.start(route, engine.client_of(request, body.id_slot), document, context, options,
+                                     received)
     budget = Budget(max(0, body.n_indent), body.t_max_predict_ms)
     slot = max(0, body.id_slot)
     if not body.stream:
-        outcome = await engine.run(route, engine_request, budget, received, truncated, client=client)
+        outcome = await engine.run(flight, budget, truncated)
         results = [fields(result(engine, body, options, outcome, i, text), body.response_fields)
                    for i, text in enumerate((outcome.text, *outcome.candidates))]
         return json_response(results if options.n > 1 else results[0])
@@ -80,7 +80,7 @@ async def answer(request: web.Request, engine: CompatEngine, route: str, body: L
         await events.send(LlamaPartial(0, text, slot))
 
     try:
-        outcome = await engine.run(route, engine_request, budget, received, truncated, send_piece, client)
+        outcome = await engine.run(flight, budget, truncated, send_piece)
     except HttpError as e:
         if not events.started:
             raise
@@ -131,7 +131,7 @@ async def health(request: web.Request) -> web.Response:
 async def props(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     engine.check_ready()
-    config, target = engine.app.config, engine.app.target
+    config, target = engine.config, engine.service.target
     defaults = GenerationSettings(config.request.max_tokens, 0.0, [], 0, 0.0, -1, False)
     return json_response(Props(
         default_generation_settings=DefaultSettings(config.model.context_tokens, defaults),

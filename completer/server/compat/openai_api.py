@@ -9,13 +9,13 @@ import time
 
 from aiohttp import web
 
-from completer.pipeline import RequestOptions
 from completer.protocol import ContextItem, Document
 from completer.server.compat.generation import Budget, CompatEngine, Outcome, seed_of, temperature_of
 from completer.server.compat.raw_prompt import split_prompt
 from completer.server.compat.shapes import (Choice, Completion, CompletionsRequest, LlamaTimings, ModelCard,
                                             ModelList, ModelMeta, Usage)
 from completer.server.compat.wire import ENGINE, EventStream, HttpError, error_envelope, json_response, read_body
+from completer.server.service import RequestOptions
 
 ROUTE = "v1/completions"
 
@@ -61,12 +61,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     context, document = document_of(body)
     options = options_of(body)
-    client = engine.client_of(request, "openai")
-    engine_request, truncated = engine.prepare(client, document, context, options, received)
-    head = Completion(id=f"cmpl-{engine_request.id}", created=int(time.time()), model=body.model or engine.model_name,
+    flight, truncated = engine.start(ROUTE, engine.client_of(request, "openai"), document, context, options,
+                                     received)
+    head = Completion(id=f"cmpl-{flight.id}", created=int(time.time()), model=body.model or engine.model_name,
                       choices=[])
     if not body.stream:
-        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated, client=client)
+        outcome = await engine.run(flight, Budget(), truncated)
         choices = [Choice(outcome.text, 0, finish_reason(outcome.reason))]
         choices += [Choice(text, i, "stop") for i, text in enumerate(outcome.candidates, 1)]
         return json_response(last(head, outcome, choices))
@@ -76,7 +76,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await events.send(Completion(head.id, head.created, head.model, [Choice(text, 0, None)]))
 
     try:
-        outcome = await engine.run(ROUTE, engine_request, Budget(), received, truncated, send_piece, client)
+        outcome = await engine.run(flight, Budget(), truncated, send_piece)
     except HttpError as e:
         if not events.started:
             raise
@@ -98,5 +98,5 @@ def last(head: Completion, outcome: Outcome, choices: list[Choice]) -> Completio
 async def models(request: web.Request) -> web.Response:
     engine: CompatEngine = request.app[ENGINE]
     engine.check_ready()
-    meta = ModelMeta(engine.app.config.model.context_tokens, engine.app.target.tokenizer.vocab_size)
+    meta = ModelMeta(engine.config.model.context_tokens, engine.service.target.tokenizer.vocab_size)
     return json_response(ModelList([ModelCard(engine.model_name, engine.started, "completer", meta)]))
