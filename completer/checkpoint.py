@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
 from completer.gguf_checkpoint import GgufFile, open_gguf
-from completer.model import ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
+from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -25,10 +25,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # FP8 checkpoints store e4m3 `x.weight` with `x.weight_scale` (or DeepSeek-style
 # `x.weight_scale_inv`); static `x.input_scale`s are dropped: we scale per token.
 FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file."""
 
 
 def _read_json(path: Path) -> dict:

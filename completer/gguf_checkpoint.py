@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from completer.model import ModelConfig, RopeScaling
+from completer.model import CheckpointError, ModelConfig, RopeScaling
 from completer.tokenizer import BYTE_ENCODER, TextTokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -45,9 +45,7 @@ SINGLE_DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
 
-def _error(path: Path, cause: str):
-    from completer.checkpoint import CheckpointError  # checkpoint imports this module
-
+def _error(path: Path, cause: str) -> CheckpointError:
     return CheckpointError(f"{path}: {cause}")
 
 

@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class CheckpointError(ValueError):
+    """A checkpoint (an HF directory or a GGUF file) that cannot give a model;
+    the message names the file. (checkpoint.py re-exports it.)"""
+
+
 class RopeScaling(msgspec.Struct, frozen=True):
     """`rope_scaling` as a checkpoint declares it (types: linear, llama3, yarn)."""
 

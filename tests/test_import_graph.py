@@ -108,16 +108,49 @@ def test_the_front_doors_reach_the_engine_through_the_service():
     assert not {n: m for n, m in leaks.items() if m}, leaks
 
 
-# Outside the server, left as they are (engine/ is others' to change): gguf_checkpoint imports
-# CheckpointError inside a function; sequence imports CandidateGroup under TYPE_CHECKING.
-KNOWN_CYCLES = [
-    ["completer.checkpoint", "completer.gguf_checkpoint"],
-    ["completer.engine.candidates", "completer.engine.kv_cache_manager", "completer.engine.scheduler",
-     "completer.engine.sequence"],
-]
+def test_no_import_cycle_in_the_package():
+    assert not (found := cycles(import_graph())), f"import cycles: {found}"
 
 
-def test_no_import_cycle_in_the_package_but_the_known_ones():
-    """A new cycle anywhere fails; a known one may shrink or go (then take it off the list)."""
-    new = [c for c in cycles(import_graph()) if not any(set(c) <= set(known) for known in KNOWN_CYCLES)]
-    assert not new, f"import cycles: {new}"
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for imported in graph[todo.pop()] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+def imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            return True
+    return False
+
+
+# docs/architecture.md's claims on the direction of dependencies, checked.
+
+def test_the_wire_schema_and_the_client_know_nothing_of_torch():
+    graph, modules = import_graph(), module_names()
+    for start in ("completer.protocol", "completer.client", "completer.engine.request"):
+        with_torch = sorted(m for m in reachable(graph, start) if imports_torch(modules[m]))
+        assert not with_torch, f"{start} reaches torch through {with_torch}"
+
+
+def test_the_engine_knows_models_and_tokenizers_never_the_protocol_or_the_server():
+    graph = import_graph()
+    outward = ("completer.protocol", "completer.server", "completer.pipeline", "completer.cluster",
+               "completer.document", "completer.prompt")
+    found = {n: sorted(m for m in imported if m.startswith(outward))
+             for n, imported in graph.items() if n.startswith("completer.engine")}
+    assert not {n: m for n, m in found.items() if m}, found
+
+
+def test_the_server_knows_the_engine_only_by_its_async_face():
+    graph = import_graph()
+    face = {"completer.engine.engine", "completer.engine.request", "completer.engine.streams"}
+    found = {n: sorted(m for m in imported if m.startswith("completer.engine") and m not in face)
+             for n, imported in graph.items() if n.startswith("completer.server")}
+    assert not {n: m for n, m in found.items() if m}, found

@@ -28,36 +28,9 @@ import torch
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.request import Finished, FinishReason, Request
 from completer.engine.scheduler import Scheduler
-from completer.engine.sequence import Sequence
+from completer.engine.sequence import CandidateGroup, Sequence
 
 CANDIDATE_ID_SEPARATOR = "\x00candidate-"  # no editor names a request so; a clash skips the candidate
-
-
-class CandidateGroup:
-    """The candidates of one request while any runs, and the request's
-    `Finished` once it ended before them."""
-
-    def __init__(self) -> None:
-        self.running: list[Sequence] = []
-        self.texts: dict[int, str] = {}  # rank (1: the second most likely first token) -> text
-        self.first: Finished | None = None  # the request's own, held until the candidates end
-
-    def candidate_ended(self, seq: Sequence, reason: FinishReason, text: str) -> None:
-        self.running.remove(seq)
-        if reason not in ("cancelled", "deadline"):  # those were cut short: not a completion to offer
-            self.texts[seq.candidate_rank] = text
-
-    def result(self) -> Finished | None:
-        """The request's `Finished` with the candidates' texts, once it and every candidate ended."""
-        if self.first is None or self.running:
-            return None
-        if self.first.reason == "cancelled":
-            return self.first
-        unique: list[str] = []
-        for _, text in sorted(self.texts.items()):
-            if text.strip() and text != self.first.text and text not in unique:
-                unique.append(text)
-        return msgspec.structs.replace(self.first, candidates=tuple(unique))
 
 
 class Candidates:

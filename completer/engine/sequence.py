@@ -1,19 +1,17 @@
 """A request as the engine holds it: its tokens, its place in each KV pool,
-its output text and its timings."""
+its output text and its timings; and the group of its extra completions
+(`n`), which `candidates` forks and collects."""
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
-from completer.engine.request import Request, Timings
+from completer.engine.request import Finished, FinishReason, Request, Timings
 from completer.engine.spec_policy import SpecState
 from completer.engine.stopping import OutputText
-
-if TYPE_CHECKING:
-    from completer.engine.candidates import CandidateGroup
 
 
 class Status(enum.Enum):
@@ -87,3 +85,30 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+class CandidateGroup:
+    """The candidates of one request while any runs, and the request's
+    `Finished` once it ended before them."""
+
+    def __init__(self) -> None:
+        self.running: list[Sequence] = []
+        self.texts: dict[int, str] = {}  # rank (1: the second most likely first token) -> text
+        self.first: Finished | None = None  # the request's own, held until the candidates end
+
+    def candidate_ended(self, seq: Sequence, reason: FinishReason, text: str) -> None:
+        self.running.remove(seq)
+        if reason not in ("cancelled", "deadline"):  # those were cut short: not a completion to offer
+            self.texts[seq.candidate_rank] = text
+
+    def result(self) -> Finished | None:
+        """The request's `Finished` with the candidates' texts, once it and every candidate ended."""
+        if self.first is None or self.running:
+            return None
+        if self.first.reason == "cancelled":
+            return self.first
+        unique: list[str] = []
+        for _, text in sorted(self.texts.items()):
+            if text.strip() and text != self.first.text and text not in unique:
+                unique.append(text)
+        return msgspec.structs.replace(self.first, candidates=tuple(unique))
