@@ -497,6 +497,74 @@ def test_lost_links_release_their_threads_and_the_link_comes_back_after_each(tar
         victim.stop()
 
 
+class _Work:
+    def __init__(self, error: str):
+        self.error = error
+
+    def wait(self):
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+class _Pair:
+    """A K/V pair whose sends fail as gloo's do once the peer is gone (or not at all)."""
+
+    def __init__(self, error: str = ""):
+        self.error = error
+
+    def send(self, tensor, tag):
+        return _Work(self.error)
+
+
+class _Channel:
+    def __init__(self, closed_at_group: bool = False):
+        self.closed_at_group, self.sent = closed_at_group, []
+
+    def send(self, message):
+        from completer.disagg.messages import Group
+        from completer.disagg.transport import ChannelClosed
+
+        if self.closed_at_group and isinstance(message, Group):
+            raise ChannelClosed("send failed: [Errno 9] Bad file descriptor")
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("how", ["pair", "channel", "compute"])
+def test_a_worker_says_in_one_warning_line_that_a_jobs_link_is_gone_and_keeps_tracebacks_for_its_own_faults(
+        target, how, caplog, monkeypatch):
+    """The soak's worker logged a traceback at ERROR for each job whose
+    decode engine went away mid-transfer (a send on the pair or the control
+    channel failing): expected, one WARNING line. A failure of its own still
+    gets its traceback."""
+    import logging
+
+    from completer.disagg.messages import Failed, Job
+    from completer.disagg.worker import Link, PrefillWorker, WorkerJob
+
+    e = CONFIG.engine
+    worker = PrefillWorker(target.model, target.name, target.precision, e.block_size, e.prefill_chunk, 8.0, 2,
+                           TOKEN, 1.0)
+    channel = _Channel(closed_at_group=how == "channel")
+    pair = _Pair("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26031. "
+                 "This is typically caused by a remote worker crashing.\nmore" if how == "pair" else "")
+    if how == "compute":
+        monkeypatch.setattr(worker.runner, "execute", lambda *a, **k: 1 / 0)
+    link = Link(channel, pair, "127.0.0.1:4242")
+    job = WorkerJob(link, Job(7, list(range(10, 210)), 0))
+    worker.by_id[(id(link), 7)] = job
+    worker.queued_tokens += 200
+    with caplog.at_level(logging.INFO, logger="completer.disagg.worker"):
+        worker._run(job)
+    records = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    if how == "compute":
+        assert [(level, tb) for level, _, tb in records] == [("ERROR", True)]
+    else:
+        assert len(records) == 1 and records[0][0] == "WARNING" and not records[0][2], records
+        assert "job 7 of 127.0.0.1:4242" in records[0][1] and "\n" not in records[0][1]
+    assert isinstance(channel.sent[-1], Failed)
+    assert worker.by_id == {} and worker.queued_tokens == 0 and worker.blocks_held == 0
+
+
 def listening_addresses() -> set[tuple[str, int]]:
     import psutil
 
