@@ -63,6 +63,14 @@ def _recv(sock: socket.socket):
     return msgspec.msgpack.decode(_recv_exactly(sock, n))
 
 
+def _shut(sock: socket.socket) -> None:
+    """Wakes a thread blocked in the socket's accept or recv (which closing alone does not)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or already closed
+        pass
+
+
 class StoreRefused(RuntimeError):
     """A request past the store's bounds; the peer's connection is closed."""
 
@@ -83,27 +91,37 @@ class LinkStore:
         threading.Thread(target=self._accept, name="link-store", daemon=True).start()
 
     def close(self) -> None:
-        self.closed = True
-        self.listener.close()
-        with self.lock:
-            peers, self.peers = list(self.peers), set()
-        for sock in peers:
-            sock.close()
+        """Stops listening and drops every peer; the store's threads end.
+        (On Linux, closing a socket does not wake a thread blocked in its
+        accept or recv: the thread would wait forever, the listening socket
+        still open under it, one of each per connection the link ever
+        tried. Shutting it down first does wake it.)"""
+        _shut(self.listener)  # (its thread closes it: no other thread's accept meets a reused descriptor)
+        with self.lock:  # (a peer's thread closes its socket, after taking the lock)
+            self.closed = True
+            for sock in self.peers:  # a stopped worker never closes its end: its thread would wait
+                _shut(sock)
+            self.peers = set()
 
     def _accept(self) -> None:
-        while not self.closed:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            with self.lock:
-                full = len(self.peers) >= MAX_PEERS
-                if not full:
-                    self.peers.add(sock)
-            if full:
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock,), name="link-store-peer", daemon=True).start()
+        try:
+            while True:
+                try:
+                    sock, _ = self.listener.accept()
+                except OSError:  # shut down by close()
+                    return
+                with self.lock:
+                    refused = self.closed or len(self.peers) >= MAX_PEERS
+                    if not refused:
+                        self.peers.add(sock)
+                if refused:
+                    sock.close()
+                    if self.closed:
+                        return
+                    continue
+                threading.Thread(target=self._serve, args=(sock,), name="link-store-peer", daemon=True).start()
+        finally:
+            self.listener.close()
 
     def _serve(self, sock: socket.socket) -> None:
         try:

@@ -132,6 +132,7 @@ class WorkerLink:
             self.up = False
             jobs, self.jobs = list(self.jobs.values()), {}
             channel, pair, store = self.channel, self.pair, self.store
+            self.pair = self.store = None  # released now, not when the next connection replaces them
             self.retry_at = time.monotonic() + self.backoff
             self.backoff = min(self.backoff * 2, self.remote.config.retry_max_s)
         log.log(level, "prefill worker %s is down (%s); %d job(s) lost, retrying in %.1f s",

@@ -41,6 +41,12 @@ class JobAborted(Exception):
     pass
 
 
+class LinkLost(Exception):
+    """The decode engine's end of the link went away (its control channel or
+    K/V pair failed): expected whenever a decode engine dies, stalls or drops
+    the link, and no fault of the job's."""
+
+
 def model_shape(name: str, cfg, precision: str, block_size: int, prefill_chunk: int) -> ModelShape:
     return ModelShape(name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, precision,
                       prefill_chunk)
@@ -223,7 +229,11 @@ class PrefillWorker:
             except OutOfBlocks as e:
                 end = Failed(msg.id, f"prefill worker: {e}")
             except Exception as e:  # this job fails; the worker goes on
-                log.exception("prefill worker: job %s failed", msg.id)
+                if isinstance(e, LinkLost) or not job.link.open:  # its decode engine is gone: one line
+                    log.warning("prefill worker: job %s of %s ended: the link is gone (%s)", msg.id,
+                                job.link.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                else:
+                    log.exception("prefill worker: job %s failed", msg.id)
                 end = Failed(msg.id, f"prefill worker: {type(e).__name__}: {e}")
             for work in sends:  # announced: they complete before the terminal frame
                 try:
@@ -238,6 +248,8 @@ class PrefillWorker:
 
     def _prefill(self, job: WorkerJob, state: CacheState, sends: deque) -> tuple[torch.Tensor, int]:
         msg = job.job
+        if not job.link.open:  # queued behind others while its decode engine went away
+            raise JobAborted
         tokens, have = msg.tokens, msg.have
         state.table, state.chain = self.blocks.match_prefix(tokens, msg.salt)
         state.computed = len(state.table) * self.pool.block_size
@@ -277,8 +289,12 @@ class PrefillWorker:
         while len(sends) >= MAX_SENDS_IN_FLIGHT:
             sends.popleft().wait()
         tag = job.link.tag()
-        job.link.channel.send(Group(job.job.id, tag, start, end - start, layer_lo, layer_hi))
-        sends.append(_Send(job.link.pair.send(kv, tag), kv))
+        try:
+            job.link.channel.send(Group(job.job.id, tag, start, end - start, layer_lo, layer_hi))
+            work = job.link.pair.send(kv, tag)
+        except (ChannelClosed, RuntimeError) as e:  # (RuntimeError: a pair already aborted)
+            raise LinkLost(e) from None
+        sends.append(_Send(work, kv))
 
 
 class _Send:
@@ -288,7 +304,10 @@ class _Send:
         self.work, self.buffer = work, buffer
 
     def wait(self) -> None:
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # gloo's: the peer closed the pair, or stalled past its timeout
+            raise LinkLost(e) from None
 
 
 def run_worker(config, token: str, host: str, port: int, cpus: list[int], ready=print) -> None:
