@@ -4,10 +4,7 @@ within one pass of its deadline, not a whole (long) step later."""
 import time
 
 from completer.engine.request import Finished, Request, SamplingParams
-import test_engine
-from test_engine import make_core, prompts, run
-
-models, tokenizer = test_engine.models, test_engine.tokenizer  # the engine tests' fixtures
+from engine_harness import make_core, prompts, run
 
 
 def test_a_long_prefill_does_not_carry_a_decoding_request_past_its_deadline(models, tokenizer):

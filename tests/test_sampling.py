@@ -5,10 +5,7 @@ import torch
 
 from completer.engine.request import Request, SamplingParams
 from completer.engine.sampler import softmax_at
-import test_engine
-from test_engine import make_core, prompts, run
-
-models, tokenizer = test_engine.models, test_engine.tokenizer  # the engine tests' fixtures
+from engine_harness import make_core, prompts, run
 
 
 def test_a_tiny_temperature_is_greedy_and_fails_no_other_request(models, tokenizer):
