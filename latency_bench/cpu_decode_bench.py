@@ -36,6 +36,9 @@ CPU (bf16 where native, else fp32). Each at batch 1 and 4
   completer's requests come through its pipeline as every caller's do (the
   same window and template, token healing); llama.cpp gets that window's
   token ids; one extra case first as warm-up.
+
+Past 300 lines: every row (ours and llama.cpp's, at each precision) shares
+one run and one table, so its ratios are side by side.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ most 1.5x worse) and the count of short requests prefilled remotely (must be
 The JSON holds every sample, the summaries, the machine (with nproc), the
 date, the load average around each configuration (a busy machine skews
 everything: run it alone) and server log lines that look like trouble.
+
+Past 300 lines: the configurations, the load and the summaries share one
+run's servers, so their ratios are side by side.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ model at the precision completer resolves to (`model.precision`).
 
 The bench imports `server_binary`, `matched_gguf` and `llama_server`; importing
 this needs neither torch nor gguf/numpy.
+
+One file a little past 300 lines: building the peer, writing its GGUFs and
+running it are the one peer a benchmark starts.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ JSON under docs/results/, then the page rendered from those files alone.
 
 What a soak or fairness result is, and the invariants a soak must hold:
 run_results.py.
+
+Past 300 lines: it renders RELIABILITY.md, whose sections follow the
+runs' results one by one.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Per keystroke a `Sample`; `summarize` turns them into the figures the bench
 reports: TTFT, end-to-end and inter-token latency percentiles, the share of
 keys answered before the next key, exact match against the real text, cached
 share of prompt tokens, acceptance, errors.
+
+Past 300 lines: the simulated editor, its two wire clients (ours and
+llama.cpp's) and the report read as one replay.
 """
 
 from __future__ import annotations

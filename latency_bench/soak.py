@@ -35,6 +35,9 @@ result holds, and how it reads, is in reliability.py.
 
 The simulated editors are in editors.py and http_editors.py, the loads and
 faults in stress.py, the fairness run in fairness.py.
+
+Past 300 lines: the phases, their checks at each idle and the report are
+one run's story; its editors, loads and faults live in their own modules.
 """
 
 from __future__ import annotations
