@@ -10,6 +10,9 @@ worker). The engine learns of it through `poll()`, and only then may it
 free, reuse or read the blocks. A cancelled request therefore hands its
 blocks to the job; they come back when the worker answers the abort, or
 within `timeout_s` when it does not, since the link is then declared down.
+
+Past ~300 lines: the links, their jobs and the blocks the jobs own change
+together (a link that goes down ends its jobs and hands back their blocks).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ token's logits follow the last group in `Done`. An `Abort` is seen between
 layers; every send already announced still completes, then `Aborted` says
 nothing more comes. A job's blocks are the worker's alone and are released
 when the job ends (they stay in its prefix cache).
+
+Past ~300 lines: the worker's link, its job queue and the chunked prefill
+that streams K/V share one compute thread's state.
 """
 
 from __future__ import annotations
