@@ -63,6 +63,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight_per_connection: int = 8
     max_connections: int = 64
     send_queue_frames: int = 256  # frames waiting behind a stalled reader before it is disconnected
+    keepalive_s: float = 20.0  # ping period; a connection silent for 3 periods (no frame, no pong) is closed
     max_documents_per_connection: int = 256  # prompt state kept per connection (least recently used goes)
     prefix_cache_scope: Literal["shared", "connection"] = "shared"  # who may reuse a prompt's cached K/V
     public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
@@ -217,6 +218,8 @@ def problems(config: Config) -> list[ConfigProblem]:
                 "send_queue_frames", "max_documents_per_connection", "workspace_file_bytes"):
         if getattr(s, key) < 1:
             found.append(ConfigProblem((f"server.{key}",), f"server.{key} = {getattr(s, key)}: must be at least 1"))
+    if not s.keepalive_s > 0:
+        found.append(ConfigProblem(("server.keepalive_s",), f"server.keepalive_s = {s.keepalive_s}: must be above 0"))
     c = config.compat
     if not 0 <= c.port <= 65535:
         found.append(ConfigProblem(("compat.port",), f"compat.port = {c.port}: must be 0 (any free port) to 65535"))

@@ -201,10 +201,27 @@ def small_buffer_listener():
     return listener
 
 
-async def never_reading_client(port: int, frames: list[str]):
-    """A bare socket that completes the handshake, sends `frames` and never
-    reads again (a client library would read into its own buffers). Returns
-    the socket; the caller closes it."""
+class NeverReadingClient:
+    """A WebSocket client on a bare socket that never reads past the
+    handshake: no pong, no frame taken (a client library would read into its
+    own buffers and answer pings)."""
+
+    def __init__(self, sock, protocol):
+        self.sock, self.protocol = sock, protocol
+
+    async def send(self, frames: list[str]) -> None:
+        import asyncio
+
+        for frame in frames:
+            self.protocol.send_text(frame.encode())
+        await asyncio.get_running_loop().sock_sendall(self.sock, b"".join(self.protocol.data_to_send()))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def never_reading_client(port: int, frames: list[str]) -> NeverReadingClient:
+    """A `NeverReadingClient` past the handshake that sent `frames`; the caller closes it."""
     import asyncio
     import socket
 
@@ -226,7 +243,6 @@ async def never_reading_client(port: int, frames: list[str]):
         protocol.receive_data(await asyncio.wait_for(loop.sock_recv(sock, 1), 30))
         events = protocol.events_received()
     assert events[0].status_code == 101, events[0]
-    for frame in frames:
-        protocol.send_text(frame.encode())
-    await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
-    return sock
+    client = NeverReadingClient(sock, protocol)
+    await client.send(frames)
+    return client

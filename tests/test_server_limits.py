@@ -100,7 +100,7 @@ async def test_shutdown_ends_within_its_grace_with_a_reader_that_never_reads():
 
     frames = [complete_msg(f"s{i}", PREFIX, uri=f"file:///s{i}.py", mode="free", max_tokens=400) for i in range(4)]
     async with in_process_server("request.deadline_ms=60000", sock=small_buffer_listener()) as s:
-        sock = await never_reading_client(s.port, frames)
+        client = await never_reading_client(s.port, frames)
         try:
             await asyncio.sleep(2)  # deltas pile up behind the full socket
             started = time.perf_counter()
@@ -108,5 +108,30 @@ async def test_shutdown_ends_within_its_grace_with_a_reader_that_never_reads():
             await asyncio.wait_for(s.serving, 60)
             took = time.perf_counter() - started
         finally:
-            sock.close()
+            client.close()
     assert took < SHUTDOWN_GRACE_S + 1, took
+
+
+async def test_a_client_that_keeps_sending_is_not_closed_for_a_late_pong_and_a_silent_one_is():
+    """websockets' own keepalive (no pong within its timeout: closed) dropped
+    live editors whose pong waited behind frames they had not read yet, with
+    their requests (issue #31's soak: 641 requests on two connections). Any
+    frame heard now counts; three ping periods of silence still close."""
+    import json
+
+    from websockets.protocol import State
+
+    period = 0.2
+    async with in_process_server(f"server.keepalive_s={period}") as s:
+        client = await never_reading_client(s.port, [])  # never reads: no pong ever
+        try:
+            (session,) = s.app.sessions
+            for i in range(30):  # 3 s of typing, 15 ping periods without one pong
+                await client.send([json.dumps({"type": "cancel", "id": f"c{i}"})])
+                await asyncio.sleep(0.1)
+            assert session.ws.state is State.OPEN
+            await asyncio.sleep(3 * period + 2 * period + 0.5)  # silent now: closed on the next look
+            assert session.ws.state is not State.OPEN
+            assert session.ws.protocol.close_sent.code == 1011
+        finally:
+            client.close()

@@ -190,7 +190,7 @@ async def test_a_reader_that_never_reads_is_disconnected_and_its_neighbour_goes_
     async with in_process_server("server.send_queue_frames=16", "request.deadline_ms=120000",
                                  sock=small_buffer_listener()) as s:
         app = s.app
-        sock = await never_reading_client(s.port, frames)
+        client = await never_reading_client(s.port, frames)
         try:
             for _ in range(2400):  # 120 s: a loaded machine decodes slowly
                 if app.metrics.slow_disconnects._value.get() >= 1:
@@ -210,10 +210,10 @@ async def test_a_reader_that_never_reads_is_disconnected_and_its_neighbour_goes_
             assert slow.outbox.qsize() <= queued  # nothing more was queued for the closed reader
             with pytest.raises((ConnectionResetError, EOFError)):  # closed: read what got through, then the end
                 while True:
-                    if not await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+                    if not await asyncio.wait_for(loop.sock_recv(client.sock, 65536), 30):
                         raise EOFError
         finally:
-            sock.close()
+            client.close()
 
 
 # -- token handling at start ------------------------------------------------------

@@ -33,6 +33,7 @@ from completer.pipeline import CompletionPipeline
 from completer.server import security
 from completer.server.compat.http import CompatServer
 from completer.server.engine_start import EngineStart
+from completer.server.keepalive import HeardConnection, watching
 from completer.server.metrics import Live, Metrics
 from completer.server.service import CompletionService
 from completer.server.session import Session
@@ -210,7 +211,8 @@ class App:
         where = {"sock": sock} if sock is not None else {"host": s.host, "port": s.port}
         async with serve(self.handler, **where, process_request=self.process_request,
                          max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
-                         ping_interval=20, ping_timeout=20) as server:
+                         create_connection=HeardConnection, ping_interval=s.keepalive_s,
+                         ping_timeout=None) as server, watching(server, s.keepalive_s):
             port = server.sockets[0].getsockname()[1]
             if self.compat is not None:  # bound now, like the WebSocket port: 503 while the models load
                 await self.compat.start(tls, SHUTDOWN_GRACE_S)

@@ -1,0 +1,60 @@
+"""Whether a WebSocket client is still there.
+
+The server pings every connection each `server.keepalive_s` seconds (which
+also keeps NATs and proxies from dropping an idle one), and closes one from
+which nothing at all came in for `SILENT_PINGS` of those periods: no frame,
+no pong. websockets' own rule (no pong within a timeout) also closes a live
+client whose pong waits behind the frames it has not read yet; a client busy
+reading a backlog, typing all along, was dropped with its requests (issue
+#31's soak: 641 requests lost on two such connections). Hearing anything
+from the client is proof enough that it is there; a client that stops
+reading altogether is `server.send_queue_frames`'s business, not this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from websockets.asyncio.server import Server, ServerConnection
+
+SILENT_PINGS = 3
+
+
+class HeardConnection(ServerConnection):
+    """A server connection that notes when bytes last came in (loop time)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.heard_at = self.loop.time()
+
+    def data_received(self, data: bytes) -> None:
+        self.heard_at = self.loop.time()
+        super().data_received(data)
+
+
+async def close_silent(server: Server, period_s: float) -> None:
+    """Forever: every `period_s`, close the connections silent for `SILENT_PINGS` periods."""
+    loop = asyncio.get_running_loop()
+    closing: set[asyncio.Task] = set()
+    while True:
+        await asyncio.sleep(period_s)
+        # Bytes that came in while this task slept were handed to their
+        # connections before this line ran (a loop turn runs I/O callbacks
+        # before timers), so a starved loop reads late, never falsely silent.
+        limit = loop.time() - SILENT_PINGS * period_s
+        for connection in server.connections:
+            if getattr(connection, "heard_at", limit) < limit:
+                task = asyncio.create_task(connection.close(1011, f"nothing heard for {SILENT_PINGS * period_s:g} s"))
+                closing.add(task)
+                task.add_done_callback(closing.discard)
+
+
+@contextlib.asynccontextmanager
+async def watching(server: Server, period_s: float):
+    """`close_silent` while the block runs."""
+    task = asyncio.create_task(close_silent(server, period_s))
+    try:
+        yield
+    finally:
+        task.cancel()
