@@ -107,7 +107,9 @@ class Conn:
             if server.proc.poll() is not None:
                 raise ServerExited(server.proc.returncode)
             try:
-                return cls(await connect(server), book)
+                # No keepalive of its own: like the editor clients, it takes any frame as a sign of
+                # life (websockets' rule, a pong within 20 s, closes a reader busy with a backlog).
+                return cls(await connect(server, ping_interval=None), book)
             except (OSError, TimeoutError, ConnectionClosed) as e:  # booked; the editor tries again
                 book.outcomes[f"connect_failed:{type(e).__name__}"] += 1
                 await asyncio.sleep(1.0)
@@ -138,7 +140,8 @@ class Conn:
 
     def closed_by_server(self) -> None:
         self.reader.result()  # a reader that failed is a bug of this harness: raise it
-        self.book.server_closes[str(self.ws.close_code)] += 1
+        # The code and reason as received (1006: no close frame came, the TCP connection just ended).
+        self.book.server_closes[f"{self.ws.close_code} {self.ws.close_reason}".strip()] += 1
         self.book.outcomes["lost_on_server_close"] += len(self.pending)
         self.pending.clear()
 

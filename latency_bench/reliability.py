@@ -94,7 +94,12 @@ def soak_section(r: SoakResult) -> list[str]:
     lines += table(("outcome", "requests"), sorted(r.outcomes.items()))
     lines += issue31_lines(r)
     if r.server_closes:
-        lines += [f"Connections the server closed, by close code: {r.server_closes}.", ""]
+        lines += [f"Connections the server closed, by the close code and reason the editor received (1006: none "
+                  f"came): {r.server_closes}.", ""]
+    if r.server_disconnects:
+        lines += [f"Connections the server chose to close, by its own count: {r.server_disconnects} (slow: a reader "
+                  "`server.send_queue_frames` frames behind, 1008; silent: nothing heard for three ping periods, "
+                  "1011).", ""]
     def kv(g: Gauges) -> str:
         if g.kv_blocks_used is None:
             return num(g.kv_usage)

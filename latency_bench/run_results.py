@@ -123,7 +123,7 @@ class SoakResult(msgspec.Struct):
     sent: int
     outcomes: dict[str, int]  # done:REASON, error:CODE, unanswered, duplicate, after_terminal, abandoned, ...
     events: dict[str, int]  # what the editors did: keystrokes, bursts, disconnects, long files, ...
-    server_closes: dict[str, int]  # close code -> connections the server closed
+    server_closes: dict[str, int]  # "CODE REASON" as the editor received it -> connections the server closed
     drain_s: float
     # Full prompt blocks prefilled by requests that got a token: each published
     # new content, so more than kv.pool_blocks["target"] means the cache evicted.
@@ -156,6 +156,9 @@ class SoakResult(msgspec.Struct):
     side_loads: str = ""  # what the CPU-heavy processes beside did
     phases: list[PhaseSpan] = []
     idle: list[IdleCheck] = []
+    # Connections the server decided to close, by why, as its own metrics count them: "slow" (1008, a reader
+    # server.send_queue_frames behind), "silent" (1011, nothing heard for 3 ping periods).
+    server_disconnects: dict[str, int] = {}
 
 
 class Phase(msgspec.Struct):

@@ -339,6 +339,11 @@ def around(fault: Fault, books: dict[str, Book]) -> dict[str, dict[str, int]]:
     return {port: dict(Counter(o for at, _, o in book.answered if lo <= at <= hi)) for port, book in books.items()}
 
 
+def server_disconnects(server: ServerProcess) -> dict[str, int]:
+    figures = scrape_all(server)
+    return {why: int(figures.get(f"completer_{why}_client_disconnects_total", 0)) for why in ("slow", "silent")}
+
+
 def prefill_routes(server: ServerProcess) -> dict[str, int]:
     figures = scrape_all(server)
     prefix = "completer_prefill_decisions_total"
@@ -400,7 +405,8 @@ async def soak_load(server: ServerProcess, editors: int, duration: float, seed: 
         slowest={port: Slowest(round(b.slowest[0], 2), b.slowest[1], b.slowest[2])
                  for port, b in books.items() if b.answered},
         prefill_routes=prefill_routes(server) if alive and plan.disagg else {}, faults=faults,
-        side_loads=side_loads, phases=spans, idle=idle)
+        side_loads=side_loads, phases=spans, idle=idle,
+        server_disconnects=server_disconnects(server) if alive else {})
 
 
 def soak_settings(kv_mb: float, plan: Plan) -> tuple[str, ...]:

@@ -133,5 +133,6 @@ async def test_a_client_that_keeps_sending_is_not_closed_for_a_late_pong_and_a_s
             await asyncio.sleep(3 * period + 2 * period + 0.5)  # silent now: closed on the next look
             assert session.ws.state is not State.OPEN
             assert session.ws.protocol.close_sent.code == 1011
+            assert s.app.metrics.silent_disconnects._value.get() == 1
         finally:
             client.close()

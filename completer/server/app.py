@@ -212,7 +212,8 @@ class App:
         async with serve(self.handler, **where, process_request=self.process_request,
                          max_size=s.max_frame_bytes, ssl=tls, server_header="completer",
                          create_connection=HeardConnection, ping_interval=s.keepalive_s,
-                         ping_timeout=None) as server, watching(server, s.keepalive_s):
+                         ping_timeout=None) as server, \
+                watching(server, s.keepalive_s, self.metrics.silent_disconnects.inc):
             port = server.sockets[0].getsockname()[1]
             if self.compat is not None:  # bound now, like the WebSocket port: 503 while the models load
                 await self.compat.start(tls, SHUTDOWN_GRACE_S)

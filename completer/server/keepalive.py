@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from typing import Callable
 
 from websockets.asyncio.server import Server, ServerConnection
 
 SILENT_PINGS = 3
+log = logging.getLogger(__name__)
 
 
 class HeardConnection(ServerConnection):
@@ -33,8 +36,9 @@ class HeardConnection(ServerConnection):
         super().data_received(data)
 
 
-async def close_silent(server: Server, period_s: float) -> None:
-    """Forever: every `period_s`, close the connections silent for `SILENT_PINGS` periods."""
+async def close_silent(server: Server, period_s: float, on_close: Callable[[], None]) -> None:
+    """Forever: every `period_s`, close the connections silent for `SILENT_PINGS`
+    periods (`on_close()` for each)."""
     loop = asyncio.get_running_loop()
     closing: set[asyncio.Task] = set()
     while True:
@@ -45,15 +49,18 @@ async def close_silent(server: Server, period_s: float) -> None:
         limit = loop.time() - SILENT_PINGS * period_s
         for connection in server.connections:
             if getattr(connection, "heard_at", limit) < limit:
+                on_close()
+                log.warning("closing a connection from %s: nothing heard for %g s",
+                            connection.remote_address, SILENT_PINGS * period_s)
                 task = asyncio.create_task(connection.close(1011, f"nothing heard for {SILENT_PINGS * period_s:g} s"))
                 closing.add(task)
                 task.add_done_callback(closing.discard)
 
 
 @contextlib.asynccontextmanager
-async def watching(server: Server, period_s: float):
+async def watching(server: Server, period_s: float, on_close: Callable[[], None]):
     """`close_silent` while the block runs."""
-    task = asyncio.create_task(close_silent(server, period_s))
+    task = asyncio.create_task(close_silent(server, period_s, on_close))
     try:
         yield
     finally:

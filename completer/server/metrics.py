@@ -73,6 +73,9 @@ class Metrics:
         self.slow_disconnects = Counter("completer_slow_client_disconnects",
                                         "Connections closed because the reader fell send_queue_frames behind.",
                                         registry=r)
+        self.silent_disconnects = Counter("completer_silent_client_disconnects",
+                                          "Connections closed because nothing came from them for 3 ping periods.",
+                                          registry=r)
         self.prefills = Counter("completer_prefill", "Prefills by where they ran.", ["kind"], registry=r)
         self.prefill_decisions = Counter(
             "completer_prefill_decisions", "Disaggregation: where each prompt was prefilled, and why "
