@@ -39,6 +39,9 @@ SOAK_OPTIONS = ("--http-editors", "8", "--disagg", "--loads", "2", "--memory-pro
 SURFACES = [
     ("WebSocket port (`/v1/ws`, `/metrics`, `/v1/stats`)", "token, Host, Origin; frames and documents bounded; "
      "handshake timeout ~10 s; `server.max_connections`", "test_server_security, test_fuzz"),
+    ("WebSocket connections' liveness", "pinged every `server.keepalive_s`; closed (1011) only after three "
+     "periods with nothing heard, never for a late pong while frames come; a reader `server.send_queue_frames` "
+     "behind is closed (1008)", "test_server_limits, test_server_security"),
     ("compat HTTP port (`/infill`, `/completion`, `/v1/completions`)", "the same checks; every error in the JSON "
      "envelope (aiohttp's parse errors too); `compat.header_timeout_s`, `body_timeout_s`, `idle_timeout_s`, "
      "`max_connections` (the longest-idle connection makes room)", "test_compat_hardening, fuzz_http"),
@@ -48,6 +51,8 @@ SURFACES = [
      "per-connection secret from `Hello`; keys, values and bytes bounded", "test_disagg"),
     ("K/V blocks of jobs whose requests ended", "returned when the job closes (a lost link included), "
      "without another request to wake the engine", "test_disagg"),
+    ("server memory across prompts of new lengths", "oneDNN's and ideep's per-shape primitive caches (the int4 "
+     "path's bf16 matmuls) held to 128 entries each", "test_cpu_decode"),
     ("cached default model", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
 ]
@@ -273,10 +278,16 @@ def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: F
                                                                           "connections_lost") if k in (fuzz or {}))
     summary = [("fuzz", "not run" if fuzz is None else f"{fuzz.get('frames', '?')} frames",
                 fuzz_figures or "see below")]
+    if FUZZ_HTTP.exists():
+        http = json.loads(FUZZ_HTTP.read_text())
+        fivexx = sum(n for status, n in http["statuses"].items() if status.startswith("5"))
+        summary.append(("fuzz, HTTP routes", f"{http['requests']} requests",
+                        f"{fivexx} 5xx, {http['statuses'].get('None', 0)} without a status, "
+                        f"{sum(http['problems'].values())} other problems"))
     if soak is not None:
         broken = violations(soak)
-        summary[1:] = [("soak", f"{soak.editors} editors, {duration(soak.duration_s)}, {soak.sent} requests",
-                        "invariants held" if not broken else f"{len(broken)} invariants broken")]
+        summary.append(("soak", f"{soak.editors} editors, {duration(soak.duration_s)}, {soak.sent} requests",
+                        "invariants held" if not broken else f"{len(broken)} invariants broken"))
     if fairness is not None:
         summary.append(("fairness", f"1 vs {fairness.together.editors} editors, closed loop",
                         f"p99 {fairness.p99_ratio:.1f}x (aim {fairness.aim:g}x)"
