@@ -229,7 +229,11 @@ def idle_lines(r: SoakResult) -> list[str]:
                   f"{last.anon_maps_mb - first.anon_maps_mb:+.1f}), file {last.file_mb - first.file_mb:+.1f} MB."
                   + (f" Between the idles: {', '.join(f'{m.rss_mb:g}' for m in mem)} MB: growth that stops "
                      "after the first phases is what the allocator keeps (fragmented arenas: the engine's trim "
-                     "already ran), growth that goes on at each phase is a leak." if len(mem) > 2 else ""), ""]
+                     "already ran), growth that goes on at each phase is a leak." if len(mem) > 2 else "")
+                  + (f" From the first phase's idle to the last: {mem[1].rss_mb:g} -> {last.rss_mb:g} MB "
+                     f"({last.rss_mb / mem[1].rss_mb - 1:+.1%}; {min(m.rss_mb for m in mem[1:]):g}-"
+                     f"{max(m.rss_mb for m in mem[1:]):g} MB over {len(mem) - 1} idles)." if len(mem) > 2 else ""),
+                  ""]
     return lines
 
 
