@@ -34,6 +34,8 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     order: str = ""  # "psm" / "spm" to override the template's order
     context_tokens: int = 1024  # prompt + completion window
     int4_dense_rows: int = 32  # int4: passes of this many rows or more use a resident bf16 copy (0: none)
+    # oneDNN's and ideep's per-shape kernel caches, entries each (theirs: 1,024, ~1.2 MB more per new prompt length).
+    kernel_cache_entries: int = 128
     # The context block: the windows of the files a client sent that best match the code before the
     # cursor (completer/retrieval.py), kept while typing; false: the files whole, in the client's order.
     retrieval: bool = True
@@ -242,6 +244,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if m.int4_dense_rows < 0:
         found.append(ConfigProblem(("model.int4_dense_rows",), f"model.int4_dense_rows = {m.int4_dense_rows}: "
                                    "must be 0 (no copy) or more"))
+    if m.kernel_cache_entries < 1:
+        found.append(ConfigProblem(("model.kernel_cache_entries",),
+                                   f"model.kernel_cache_entries = {m.kernel_cache_entries}: must be at least 1"))
     if config.cluster.enabled and config.disagg.enabled:
         found.append(ConfigProblem(("cluster.enabled", "disagg.enabled"), "cluster.enabled and disagg.enabled: "
                                    "a cluster's replicas prefill locally (disaggregation is one engine's)"))

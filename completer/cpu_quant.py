@@ -36,16 +36,17 @@ from completer.fp8 import FUSED_NAMES, LINEAR_NAMES
 CPU_PRECISIONS = ("int8", "int4")
 INT4_GROUP = 32  # Q4_1's block
 
-# A bf16 matmul on oneDNN builds and keeps a primitive per shape, in two caches
-# of 1,024 entries each (oneDNN's own and ideep's): a server prefilling prompts
-# of ever new lengths grew ~2 MB per new row count and never gave it back
-# (issue #31's soak). Both caches read their capacity once, at the process's
-# first primitive; 128 entries keep the steps' recurring shapes (decode and
-# verify rows, full prefill chunks) and bound the rest. A value set in the
-# environment wins.
-KERNEL_CACHE_ENTRIES = "128"
-for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-    os.environ.setdefault(_name, KERNEL_CACHE_ENTRIES)
+
+
+def bound_kernel_caches(entries: int) -> None:
+    """A bf16 matmul on oneDNN builds and keeps a primitive per shape, in two
+    caches of 1,024 entries each (oneDNN's own and ideep's): a server
+    prefilling prompts of ever new lengths kept ~1.2 MB more per new row count
+    and never gave it back (issue #31's soak). Both read their capacity once,
+    at the process's first primitive, so this runs before any model does; a
+    value already in the environment wins. `model.kernel_cache_entries`."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(entries))
 
 
 # fbgemm's packed weights are a TorchScript object, which torch.compile cannot

@@ -9,7 +9,7 @@ import msgspec
 import torch
 
 from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
-from completer.cpu_quant import keep_dense_int4
+from completer.cpu_quant import bound_kernel_caches, keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
 from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
@@ -73,11 +73,14 @@ def load(directory: str | Path, precision: str = "fp32", template: str | None = 
 
 def load_models(target: str | Path = "default", draft: str | Path = "default", precision: str = "auto",
                 template: str | None = None, order: str | None = None, device: str = "cpu",
-                fuse: bool = True, int4_dense_rows: int = 0) -> tuple[LoadedModel, LoadedModel | None]:
+                fuse: bool = True, int4_dense_rows: int = 0,
+                kernel_cache_entries: int = 128) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and drafter from their settings ("default", "embedded", a path;
     a drafter "" is none), as `completer serve` loads them. `int4_dense_rows`:
     at int4, passes of that many rows or more multiply by a resident bf16
-    copy of the weights (`model.int4_dense_rows`)."""
+    copy of the weights (`model.int4_dense_rows`); `kernel_cache_entries`:
+    `bound_kernel_caches`."""
+    bound_kernel_caches(kernel_cache_entries)
     target_path = resolve_target(target)
     draft_path = resolve_draft(str(draft), target_path)
     loaded = load(target_path, precision, template, order, device, fuse=fuse)

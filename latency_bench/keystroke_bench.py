@@ -78,6 +78,7 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "block_2": (KV, "engine.block_size=2"),
     "block_1": (KV, "engine.block_size=1"),  # the block size before: a keystroke recomputed ~11 tokens, not ~3
     "no_int4_dense": (KV, "model.int4_dense_rows=0"),
+    "kernel_cache_1024": (KV, "model.kernel_cache_entries=1024"),  # oneDNN's own bound (#31 set 128)
     # The fused CPU layer (#25): off (torch's ops), on with fp32 activations, and with fp16 K/V.
     "no_fused_cpu": (KV, "engine.fused_cpu=false"),
     "fused_fp32_acts": (KV, "engine.fused_cpu_q8=false"),

@@ -136,7 +136,8 @@ def test_reading_the_held_out_code_leaves_torch_compile_able_to_build():
 
 KERNEL_CACHE_PROBE = """
 import ctypes, sys, torch
-from completer.cpu_quant import Int4Linear
+from completer.cpu_quant import Int4Linear, bound_kernel_caches
+bound_kernel_caches(int(sys.argv[1]))  # as load_models does, from model.kernel_cache_entries
 torch.manual_seed(0)
 layers = [Int4Linear(torch.randn(n, k) * 0.02, None) for n, k in ((3072, 576), (576, 1536))]
 for layer in layers:
@@ -163,9 +164,11 @@ def test_int4_prefill_of_ever_new_row_counts_holds_bounded_memory():
     import subprocess
     import sys
 
+    from completer.config import Config
+
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    run = subprocess.run([sys.executable, "-c", KERNEL_CACHE_PROBE], capture_output=True, text=True, timeout=300,
-                         env=env)
+    run = subprocess.run([sys.executable, "-c", KERNEL_CACHE_PROBE, str(Config().model.kernel_cache_entries)],
+                         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     grown_mb = float(run.stdout.split()[-1])
     assert grown_mb < 160, f"{grown_mb:.0f} MB kept after 400 new row counts"

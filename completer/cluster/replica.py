@@ -30,7 +30,7 @@ class EngineReplica:
         m = config.model
         target, draft = await asyncio.to_thread(
             run_in_passing_thread, load_models, m.target, m.draft, m.precision, m.template or None,
-            m.order or None, m.device, m.fuse_projections, m.int4_dense_rows)
+            m.order or None, m.device, m.fuse_projections, m.int4_dense_rows, m.kernel_cache_entries)
         self.engine = Engine.build(target, draft, config.engine, config.spec)
         self.engine.start()
         self.names = (target.name, draft.name if draft else None)

@@ -325,7 +325,7 @@ def run_worker(config, token: str, host: str, port: int, cpus: list[int], ready=
     m, d = config.model, config.disagg
     target, _ = run_in_passing_thread(load_models, m.target, "", m.precision, m.template or None,
                                       m.order or None, m.device, m.fuse_projections,
-                                      m.int4_dense_rows)
+                                      m.int4_dense_rows, m.kernel_cache_entries)
     worker = PrefillWorker(target.model, target.name, target.precision, config.engine.block_size,
                            config.engine.prefill_chunk, d.worker_kv_mb, d.layer_group, token, d.timeout_s,
                            config.engine.prefix_cache, d.worker_threads or len(cpus))

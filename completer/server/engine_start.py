@@ -43,7 +43,7 @@ class EngineStart:
         m = self.config.model
         self.target, self.draft = load_models(m.target, m.draft, m.precision, m.template or None,
                                               m.order or None, m.device, m.fuse_projections,
-                                              m.int4_dense_rows)
+                                              m.int4_dense_rows, m.kernel_cache_entries)
 
     async def start_workers(self) -> list[str]:
         """Start the local prefill workers (disagg.workers); every worker's address."""
