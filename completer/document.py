@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 
 from completer.prompt import Prompt, PromptBuilder, Snippet, Window
-from completer.retrieval import Retriever
+from completer.retrieval import Retriever, WindowCache
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -34,12 +34,13 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 class DocumentPrompt:
-    def __init__(self, builder: PromptBuilder, retrieval: bool = False):
+    def __init__(self, builder: PromptBuilder, retrieval: bool = False, windows: WindowCache | None = None):
         self.builder = builder
         # With retrieval, the context is the best-matching windows of the files sent (kept
-        # across keystrokes); without, the files in the client's order, whole, while they fit.
+        # across keystrokes; `windows`: the files cut, shared with the client's other documents);
+        # without, the files in the client's order, whole, while they fit.
         self.retriever = Retriever(lambda snip: len(builder.snippet_tokens(snip)),
-                                   builder.context_budget) if retrieval else None
+                                   builder.context_budget, windows) if retrieval else None
         self.context_key: tuple | None = None
         self.context: list[int] = []
         self.suffix_head: str | None = None  # the suffix text fit_suffix looked at

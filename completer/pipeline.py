@@ -25,6 +25,7 @@ from completer.healing import back_off
 from completer.loading import LoadedModel
 from completer.prompt import Snippet
 from completer.protocol import ContextItem, Document
+from completer.retrieval import WindowCache
 
 SUFFIX_FOR_TRIMMING = 256  # chars after the cursor the stop logic looks at
 DISPLAY_PATH_CHARS = 160
@@ -69,11 +70,12 @@ class CompletionPipeline:
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
 
-    def document(self, retrieval: bool | None = None) -> DocumentPrompt:
+    def document(self, retrieval: bool | None = None, windows: WindowCache | None = None) -> DocumentPrompt:
         """Prompt state for one document: keystrokes re-tokenize only what changed.
-        `retrieval`: choose context windows (None: model.retrieval)."""
+        `retrieval`: choose context windows (None: model.retrieval), from the
+        files cut in `windows` (the client's; None: the document's own)."""
         retrieval = self.retrieval if retrieval is None else retrieval
-        return DocumentPrompt(self.target.prompt_builder(self.budget), retrieval)
+        return DocumentPrompt(self.target.prompt_builder(self.budget), retrieval, windows)
 
     def request(self, request_id: str, document: Document, context: Iterable[ContextItem] = (),
                 options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,

@@ -23,6 +23,7 @@ bonus is small against the switch margin: it orders, it does not churn.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -82,15 +83,40 @@ def query_of(prefix: str) -> frozenset[str]:
     return identifiers(tail[: len(tail) - len(PARTIAL.search(tail).group())])
 
 
+class WindowCache:
+    """Files cut into windows, shared by the documents of one client: each
+    document once kept its own cut of every file sent (~19 MB for a
+    connection's 1M characters of context, in each of up to 256 documents:
+    issue #31's soak held 177,000 windows). Least recently used files go past
+    `max_chars` of their text."""
+
+    def __init__(self, max_chars: int = 2_000_000):
+        self.max_chars = max_chars
+        self._cut: OrderedDict[tuple[str, str, str], list[Window]] = OrderedDict()
+        self._chars = 0
+
+    def windows(self, snippet: Snippet) -> list[Window]:
+        key = (snippet.uri, snippet.text, snippet.kind)
+        cut = self._cut.pop(key, None)
+        if cut is None:
+            cut = windows(snippet)
+            self._chars += len(snippet.text)
+        self._cut[key] = cut
+        while self._chars > self.max_chars and len(self._cut) > 1:
+            (_, text, _), _ = self._cut.popitem(last=False)
+            self._chars -= len(text)
+        return cut
+
+
 class Retriever:
     """One document's choice of windows, kept across its keystrokes.
     `count(snippet)`: its tokens in the prompt; `budget`: the context's tokens."""
 
-    def __init__(self, count: Callable[[Snippet], int], budget: int):
+    def __init__(self, count: Callable[[Snippet], int], budget: int, cache: WindowCache | None = None):
         self.count = count
         self.budget = budget
         self.chosen: list[Window] = []
-        self._windows: dict[tuple[str, str, str], list[Window]] = {}  # the files last sent, cut
+        self.cache = WindowCache() if cache is None else cache  # the files sent, cut (the client's)
         self._tokens: dict[tuple[str, str], int] = {}
         self._asked: tuple | None = None  # the last query and files
 
@@ -101,9 +127,8 @@ class Retriever:
         if asked == self._asked:  # within a word, the same files: the same choice, no scoring
             return [Snippet(w.uri, w.text) for w in self.chosen]
         self._asked = asked
-        cut = {(s.uri, s.text, s.kind): self._windows.get((s.uri, s.text, s.kind)) or windows(s) for s in snippets}
-        self._windows = cut
-        candidates = [w for ws in cut.values() for w in ws]
+        files = {(s.uri, s.text, s.kind): s for s in snippets}.values()  # a file sent twice counts once
+        candidates = [w for s in files for w in self.cache.windows(s)]
         best = self._best(query, candidates)
         available = {(w.uri, w.first_line, w.text) for w in candidates}
         kept = bool(self.chosen) and all((w.uri, w.first_line, w.text) in available for w in self.chosen)

@@ -270,3 +270,31 @@ async def test_a_followed_request_frees_its_slot_and_is_cancelled_unless_it_fini
     c.close()
     other.close()
     assert s.clients == set()
+
+
+@on_the_engines_loop
+async def test_a_clients_documents_share_one_cut_of_each_context_file_and_clients_do_not(parts):
+    """Each document once cut every context file into windows of its own: a
+    connection's 1M characters of context were ~19 MB in each of up to 256
+    documents (issue #31's soak held 177,000 windows)."""
+    import gc
+
+    from completer.prompt import Snippet
+    from completer.retrieval import Window, windows
+
+    def live_windows() -> int:
+        return sum(isinstance(o, Window) for o in gc.get_objects())
+
+    files = [ContextItem(f"file:///proj/lib{i}.py", "\n".join(f"def helper_{i}_{j}(x):\n    return x + {j}"
+                                                                for j in range(200))) for i in range(3)]
+    one_cut = sum(len(windows(Snippet(f.uri, f.text))) for f in files)
+    s = service(parts)
+    c = s.client("c1")
+    before = live_windows()
+    for n in range(20):
+        state, _ = c.document(f"file:///proj/doc{n}.py")
+        s.pipeline.request(f"r{n}", Document(f"file:///proj/doc{n}.py", PREFIX + f" helper_{n % 3}_", ""), files,
+                           state=state)
+    held = live_windows() - before
+    assert one_cut <= held < 2 * one_cut, (held, one_cut)
+    assert s.client("c2").windows is not c.windows  # what one client sent is never another's

@@ -34,6 +34,7 @@ from completer.engine.request import EngineError, Finished, Request
 from completer.loading import LoadedModel
 from completer.pipeline import CompletionPipeline, RequestOptions
 from completer.protocol import ContextItem, Document
+from completer.retrieval import WindowCache
 from completer.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -141,10 +142,12 @@ class Client:
     and its requests in flight. `sender(key)` is another client sharing
     these (the compatible routes: one state for all their HTTP clients)."""
 
-    def __init__(self, service: CompletionService, key: str, documents: OrderedDict, inflight: InFlight):
+    def __init__(self, service: CompletionService, key: str, documents: OrderedDict, inflight: InFlight,
+                 windows: WindowCache):
         self.service, self.key = service, key
         self.documents: OrderedDict[Hashable, DocumentPrompt] = documents  # least recently used first
         self.inflight = inflight
+        self.windows = windows  # the files its documents' retrieval cut, once for all of them
 
     @property
     def salt(self) -> str:
@@ -152,7 +155,7 @@ class Client:
         return self.key if self.service.config.server.prefix_cache_scope == "connection" else ""
 
     def sender(self, key: str) -> Client:
-        return Client(self.service, key, self.documents, self.inflight)
+        return Client(self.service, key, self.documents, self.inflight, self.windows)
 
     def admit(self, request_id: str, chars: int, supersede: str | None = None, ends_others: bool = True) -> None:
         """Raise Refused unless a request of `chars` (request_chars) may start
@@ -174,7 +177,7 @@ class Client:
         state = self.documents.pop(key, None)
         first = state is None
         if first:
-            state = self.service.pipeline.document(retrieval)
+            state = self.service.pipeline.document(retrieval, self.windows)
         self.documents[key] = state
         while len(self.documents) > self.service.config.server.max_documents_per_connection:
             self.documents.popitem(last=False)  # its next request builds its prompt afresh
@@ -254,7 +257,9 @@ class CompletionService:
     def client(self, key: str, limit: int | None = None) -> Client:
         """A new client; `limit`: its requests in flight (server.max_inflight_per_connection by default)."""
         client = Client(self, key, OrderedDict(),
-                        InFlight(self.config.server.max_inflight_per_connection if limit is None else limit))
+                        InFlight(self.config.server.max_inflight_per_connection if limit is None else limit),
+                        # what its store keeps, and one request's own files
+                        WindowCache(self.config.server.context_store_chars + self.config.server.max_document_chars))
         self.clients.add(client)
         return client
 
