@@ -113,10 +113,10 @@ async def test_shutdown_ends_within_its_grace_with_a_reader_that_never_reads():
 
 
 async def test_a_client_that_keeps_sending_is_not_closed_for_a_late_pong_and_a_silent_one_is():
-    """websockets' own keepalive (no pong within its timeout: closed) dropped
-    live editors whose pong waited behind frames they had not read yet, with
-    their requests (issue #31's soak: 641 requests on two connections). Any
-    frame heard now counts; three ping periods of silence still close."""
+    """websockets' own keepalive (no pong within its timeout: closed) drops a
+    live editor whose pong waits behind frames it has not read yet, with its
+    requests (issue #31's first soak lost 641 on two connections). Any frame
+    heard now counts; three ping periods of silence still close."""
     import json
 
     from websockets.protocol import State
