@@ -7,7 +7,8 @@ no pong. websockets' own rule (no pong within a timeout) also closes a live
 client whose pong waits behind the frames it has not read yet, a client
 busy reading a backlog and typing all along, with its requests (issue #31's
 first soak lost 641 requests on two connections closed while answers took
-up to 62 s to arrive; with this rule, none). Hearing anything from the
+up to 62 s to arrive; with this rule, and the soak's editors keeping no
+keepalive of their own as ours keep none, the next two lost none). Hearing anything from the
 client is proof enough that it is there; a client that stops reading
 altogether is `server.send_queue_frames`'s business, not this.
 """
