@@ -40,7 +40,7 @@ from pathlib import Path
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from completer.cluster.routing import AffinityTable, prefix_holders
+from completer.cluster.routing import AffinityTable, prefix_holders, ranks
 from latency_bench.editors import keep_reading_log
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.keystrokes import corpus_files
@@ -135,8 +135,7 @@ def routing_cost(replicas: int = 100, editors: int = 10_000, decisions: int = 50
     started = time.perf_counter()
     for i, key in enumerate(keys):
         loads = load_draws[i % 64]
-        first = table.choose(key, 0, loads, holders).replica
-        _ranks = [[first], [u for u in loads if u != first]]
+        ranks(table.choose(key, 0, loads, holders).replica, list(loads))
     per_decision_us = (time.perf_counter() - started) / decisions * 1e6
     return {"replicas": replicas, "editors": editors, "decisions": decisions,
             "per_decision_us": round(per_decision_us, 1), "state_mb": round(state_bytes / 2**20, 1),

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from completer.cluster.routing import AffinityTable, prefix_hash, prefix_holders
+from completer.cluster.routing import AffinityTable, prefix_hash, prefix_holders, ranks
 from latency_bench.harness import CLUSTER, ROOT, collect, collect_all, complete_msg, connect, running_server, scrape
 
 DOCS = {
@@ -62,6 +62,11 @@ def test_prefix_hash_names_the_head_and_the_salt():
     assert prefix_hash(tokens, "") == prefix_hash(tokens[:64] + [5] * 40, "")
     assert prefix_hash(tokens, "") != prefix_hash(tokens, "c1")
     assert prefix_hash(tokens, "") != prefix_hash([1] + tokens, "")
+
+
+def test_the_chosen_replica_is_tried_alone_before_every_other_one():
+    assert ranks("b", ["a", "b", "c"]) == [["b"], ["a", "c"]]
+    assert ranks("a", ["a"]) == [["a"]]  # no empty rank for Serve to wait on
 
 
 # -- the real cluster -------------------------------------------------------------

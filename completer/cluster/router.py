@@ -18,7 +18,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from completer.cluster import routing
-from completer.cluster.routing import AffinityTable, Hop, prefix_holders
+from completer.cluster.routing import AffinityTable, Hop, prefix_holders, ranks
 
 
 class AffinityRouter(RequestRouter):
@@ -50,13 +50,11 @@ class AffinityRouter(RequestRouter):
             first = min(loads, key=loads.get)
         if pending_request is not None:  # when every rank is full, wait before asking again
             pending_request.routing_context.should_backoff = True
-        others = [r for u, r in by_id.items() if u != first]  # Serve takes the least loaded among them
-        ranks = [[by_id[first]], others] if others else [[by_id[first]]]
         with routing.ROUTER_STATS.lock:
             routing.ROUTER_STATS.decisions += 1
             routing.ROUTER_STATS.decision_s += time.perf_counter() - started
             routing.ROUTER_STATS.keys = len(self.table.home)
-        return ranks
+        return [[by_id[u] for u in rank] for rank in ranks(first, list(by_id))]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         uid = replica_id.unique_id

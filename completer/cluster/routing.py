@@ -108,6 +108,13 @@ def prefix_holders(prefixes_by_replica: dict[str, list[int]]) -> dict[int, tuple
     return {head: tuple(rs) for head, rs in index.items()}
 
 
+def ranks(first: str, candidates: list[str]) -> list[list[str]]:
+    """What the router hands Serve: the chosen replica alone, then all the
+    others (Serve takes the least loaded among them when the first is full)."""
+    others = [u for u in candidates if u != first]
+    return [[first], others] if others else [[first]]
+
+
 class RouterStats:
     """What this process's router did, read by the front door's /metrics
     (the router runs on Serve's routing thread; the front door on its loop)."""
