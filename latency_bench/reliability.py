@@ -217,6 +217,12 @@ def idle_lines(r: SoakResult) -> list[str]:
                   f"{mb['rss_mb_before_trim'] - mb['rss_mb_after_trim']:.1f} MB), live Python objects "
                   f"{b['objects']['total'] - a['objects']['total']:+d}{traced}. In use and not Python's: native "
                   "allocations (torch, oneDNN, OpenMP) still held; free: the allocator's retention.", ""]
+        if (pa := a.get("pymalloc")) and (pb := b.get("pymalloc")):
+            lines += [f"Python's small-object allocator (its own mmapped arenas, not in malloc's figures): arenas "
+                      f"{pa['arenas_mb']:g} -> {pb['arenas_mb']:g} MB; in them, live blocks "
+                      f"{pb['blocks_in_use_mb'] - pa['blocks_in_use_mb']:+.1f} MB, free blocks "
+                      f"{pb['blocks_free_mb'] - pa['blocks_free_mb']:+.1f} MB, unused pools "
+                      f"{pb['unused_pools_mb'] - pa['unused_pools_mb']:+.1f} MB.", ""]
         if grew := probed[-1].probe.get("grew"):
             lines += ["Python allocations that grew most from the first idle to the last:", "", "```", *grew, "```",
                       ""]

@@ -7,6 +7,11 @@ use (a leak):
 - `malloc`: glibc's mallinfo2 over every arena (bytes taken from the system
   by brk and mmap, in use, free inside the arenas), then RSS before and after
   an explicit malloc_trim(0): what trimming gives back is retention;
+- `pymalloc`: Python's own small-object allocator (its arenas are mmapped,
+  outside malloc's figures): arenas held, bytes in live blocks, bytes free
+  in its pools and whole unused pools, from sys._debugmallocstats (which
+  writes to fd 2: it is pointed at a file for that call, so a log line
+  another thread writes in those milliseconds goes there too);
 - `objects`: live Python objects by type (the 15 most numerous), from gc;
 - `traced`: with $COMPLETER_TRACEMALLOC set (tracemalloc started at import:
   slower), the Python allocations' total and the 15 source lines that grew
@@ -47,6 +52,27 @@ def _install() -> None:
         with open("/proc/self/statm") as f:
             return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
+    def pymalloc_mb() -> dict:
+        import re
+        import tempfile
+        with tempfile.TemporaryFile("w+") as f:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(f.fileno(), 2)
+            try:
+                sys._debugmallocstats()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            f.seek(0)
+            text = f.read()
+
+        def figure(pattern: str) -> float:
+            found = re.search(pattern + r"\s*=\s*([\d,]+)", text)
+            return round(int(found.group(1).replace(",", "")) / 2**20, 1) if found else -1.0
+        return {"arenas_mb": figure(r"\d+ arenas \* \d+ bytes/arena"), "blocks_in_use_mb": figure("# bytes in allocated blocks"),
+                "blocks_free_mb": figure("# bytes in available blocks"), "unused_pools_mb": figure(r"\d+ unused pools \* \d+ bytes")}
+
     def dump(*_) -> None:
         out = {"at": time.time()}
         if mallinfo2 is not None:
@@ -56,6 +82,7 @@ def _install() -> None:
                              "free_mb": mb(m.fordblks), "rss_mb_before_trim": rss_mb()}
             libc.malloc_trim(0)
             out["malloc"]["rss_mb_after_trim"] = rss_mb()
+        out["pymalloc"] = pymalloc_mb()
         counts = Counter(type(o).__name__ for o in gc.get_objects())
         out["objects"] = {"total": sum(counts.values()), "top": dict(counts.most_common(15))}
         if tracing:
