@@ -223,6 +223,10 @@ def idle_lines(r: SoakResult) -> list[str]:
                       f"{pb['blocks_in_use_mb'] - pa['blocks_in_use_mb']:+.1f} MB, free blocks "
                       f"{pb['blocks_free_mb'] - pa['blocks_free_mb']:+.1f} MB, unused pools "
                       f"{pb['unused_pools_mb'] - pa['unused_pools_mb']:+.1f} MB.", ""]
+        if (ha := a.get("held")) and (hb := b.get("held")):
+            lines += ["What the service itself kept at the first idle and the last (its clients: the compatible "
+                      "routes' one lives on between HTTP connections): "
+                      + "; ".join(f"{k.replace('_', ' ')} {ha[k]:,} -> {hb[k]:,}" for k in ha) + ".", ""]
         if grew := probed[-1].probe.get("grew"):
             lines += ["Python allocations that grew most from the first idle to the last:", "", "```", *grew, "```",
                       ""]

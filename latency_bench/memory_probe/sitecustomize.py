@@ -12,6 +12,10 @@ use (a leak):
   in its pools and whole unused pools, from sys._debugmallocstats (which
   writes to fd 2: it is pointed at a file for that call, so a log line
   another thread writes in those milliseconds goes there too);
+- `held`: what the service keeps between requests: its clients (a
+  connection's, and the compatible routes' one shared by their HTTP
+  clients), their documents' prompt state, the files their retrieval cut
+  (windows, characters) and the windows' token counts the documents keep;
 - `objects`: live Python objects by type (the 15 most numerous), from gc;
 - `traced`: with $COMPLETER_TRACEMALLOC set (tracemalloc started at import:
   slower), the Python allocations' total and the 15 source lines that grew
@@ -70,8 +74,25 @@ def _install() -> None:
         def figure(pattern: str) -> float:
             found = re.search(pattern + r"\s*=\s*([\d,]+)", text)
             return round(int(found.group(1).replace(",", "")) / 2**20, 1) if found else -1.0
-        return {"arenas_mb": figure(r"\d+ arenas \* \d+ bytes/arena"), "blocks_in_use_mb": figure("# bytes in allocated blocks"),
-                "blocks_free_mb": figure("# bytes in available blocks"), "unused_pools_mb": figure(r"\d+ unused pools \* \d+ bytes")}
+        arenas = figure(r"\d+ arenas \* \d+ bytes/arena")
+        if arenas < 0:
+            return None  # not pymalloc's figures (tracemalloc hooks the allocator: it prints none)
+        return {"arenas_mb": arenas, "blocks_in_use_mb": figure("# bytes in allocated blocks"),
+                "blocks_free_mb": figure("# bytes in available blocks"),
+                "unused_pools_mb": figure(r"\d+ unused pools \* \d+ bytes")}
+
+    def held() -> dict | None:
+        services = [o for o in gc.get_objects() if type(o).__name__ == "CompletionService"]
+        if not services:
+            return None
+        clients = list(services[0].clients)
+        documents = [d for c in clients for d in c.documents.values()]
+        caches = {id(c.windows): c.windows for c in clients}.values()
+        return {"clients": len(clients), "documents": len(documents),
+                "window_files": sum(len(w._cut) for w in caches), "window_chars": sum(w._chars for w in caches),
+                "windows": sum(len(cut) for w in caches for cut in w._cut.values()),
+                "token_counts": sum(len(d.retriever._tokens) for d in documents
+                                    if getattr(d, "retriever", None) is not None)}
 
     def dump(*_) -> None:
         out = {"at": time.time()}
@@ -83,6 +104,7 @@ def _install() -> None:
             libc.malloc_trim(0)
             out["malloc"]["rss_mb_after_trim"] = rss_mb()
         out["pymalloc"] = pymalloc_mb()
+        out["held"] = held()
         counts = Counter(type(o).__name__ for o in gc.get_objects())
         out["objects"] = {"total": sum(counts.values()), "top": dict(counts.most_common(15))}
         if tracing:
