@@ -136,3 +136,38 @@ async def test_a_client_that_keeps_sending_is_not_closed_for_a_late_pong_and_a_s
             assert s.app.metrics.silent_disconnects._value.get() == 1
         finally:
             client.close()
+
+
+async def test_a_closed_connections_documents_and_windows_are_freed_at_once_not_by_the_collector():
+    """The soak's idle server held ~12,000 retrieval windows of connections long
+    closed: the session's cancelled writer task kept its traceback, whose frame
+    held the session, so its state waited for a full collection."""
+    import gc
+    import weakref
+
+    from completer.retrieval import Window
+
+    files = [{"uri": f"file:///proj/lib{i}.py", "text": "\n".join(f"def helper_{i}_{j}(x):\n    return x + {j}"
+                                                                  for j in range(100))} for i in range(2)]
+    async with in_process_server("model.retrieval=true") as s:
+        gc.collect()
+        gc.disable()  # what refcounting frees, not the collector
+        try:
+            async with connect(s.server) as ws:
+                await ws.send(complete_msg("1", "x = helper_1_", max_tokens=2, context=files))
+                _, terminal = await asyncio.wait_for(collect(ws, "1"), 60)
+                assert terminal["type"] == "done", terminal
+                (session,) = s.app.sessions
+                held = [weakref.ref(session), weakref.ref(session.client),
+                        *(weakref.ref(d) for d in session.client.documents.values())]
+                assert sum(type(o) is Window for o in gc.get_objects()) > 0  # retrieval cut the files
+                del session
+            for _ in range(100):
+                if not s.app.sessions:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # the connection's handler returns
+            assert [r for r in held if r() is not None] == []
+            assert sum(type(o) is Window for o in gc.get_objects()) == 0
+        finally:
+            gc.enable()

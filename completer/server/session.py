@@ -116,6 +116,9 @@ class Session:
                 await asyncio.gather(*self.inflight.values(), return_exceptions=True)
             self.client.close()
             writer.cancel()
+            # The cancelled task keeps its CancelledError, whose traceback holds write()'s frame and so this
+            # session: kept here, the closed connection's documents and windows waited for a full collection.
+            self.writer = None
 
     def handle(self, msg, received: float) -> None:
         if isinstance(msg, Error):
