@@ -88,12 +88,16 @@ class WindowCache:
     document once kept its own cut of every file sent (~19 MB for a
     connection's 1M characters of context, in each of up to 256 documents:
     issue #31's soak held 177,000 windows). Least recently used files go past
-    `max_chars` of their text."""
+    `max_chars` of their text. The windows' token counts are kept here too,
+    as long as their file is: a client's documents share one prompt builder,
+    so they count alike (kept per document, up to 4,096 each, they were the
+    next largest thing the soak's idle server held)."""
 
     def __init__(self, max_chars: int = 2_000_000):
         self.max_chars = max_chars
         self._cut: OrderedDict[tuple[str, str, str], list[Window]] = OrderedDict()
         self._chars = 0
+        self._tokens: dict[tuple[str, str], int] = {}
 
     def windows(self, snippet: Snippet) -> list[Window]:
         key = (snippet.uri, snippet.text, snippet.kind)
@@ -103,9 +107,17 @@ class WindowCache:
             self._chars += len(snippet.text)
         self._cut[key] = cut
         while self._chars > self.max_chars and len(self._cut) > 1:
-            (_, text, _), _ = self._cut.popitem(last=False)
+            (_, text, _), gone = self._cut.popitem(last=False)
             self._chars -= len(text)
+            for w in gone:
+                self._tokens.pop((w.uri, w.text), None)
         return cut
+
+    def tokens(self, w: Window, count: Callable[[Snippet], int]) -> int:
+        key = (w.uri, w.text)
+        if (n := self._tokens.get(key)) is None:
+            n = self._tokens[key] = count(Snippet(w.uri, w.text))
+        return n
 
 
 class Retriever:
@@ -117,7 +129,6 @@ class Retriever:
         self.budget = budget
         self.chosen: list[Window] = []
         self.cache = WindowCache() if cache is None else cache  # the files sent, cut (the client's)
-        self._tokens: dict[tuple[str, str], int] = {}
         self._asked: tuple | None = None  # the last query and files
 
     def select(self, prefix: str, snippets: list[Snippet]) -> list[Snippet]:
@@ -136,14 +147,6 @@ class Retriever:
             self.chosen = best
         return [Snippet(w.uri, w.text) for w in self.chosen]
 
-    def tokens(self, w: Window) -> int:
-        key = (w.uri, w.text)
-        if key not in self._tokens:
-            if len(self._tokens) > 4096:
-                self._tokens.clear()
-            self._tokens[key] = self.count(Snippet(w.uri, w.text))
-        return self._tokens[key]
-
     def _best(self, query: frozenset[str], candidates: list[Window]) -> list[Window]:
         ranked = sorted(((similarity(query, w), w) for w in candidates), key=lambda sw: sw[0], reverse=True)
         chosen: list[Window] = []
@@ -153,7 +156,7 @@ class Retriever:
                 break
             if any(jaccard(w.names, c.names) >= NEAR_DUPLICATE for c in chosen):
                 continue
-            if used + (n := self.tokens(w)) <= self.budget:
+            if used + (n := self.cache.tokens(w, self.count)) <= self.budget:
                 chosen.append(w)
                 used += n
         return chosen[::-1]

@@ -53,8 +53,9 @@ SURFACES = [
      "without another request to wake the engine", "test_disagg"),
     ("server memory across prompts of new lengths", "oneDNN's and ideep's per-shape primitive caches (the int4 "
      "path's bf16 matmuls) held to `model.kernel_cache_entries` (128) each", "test_cpu_decode"),
-    ("server memory across a client's documents", "retrieval's windows cut once per file for all of a client's "
-     "documents, within its context store plus one request's files (not once per document)", "test_service"),
+    ("server memory across a client's documents", "retrieval's windows cut, and their token counts kept, once per "
+     "file for all of a client's documents, within its context store plus one request's files (not once per "
+     "document)", "test_service, test_retrieval"),
     ("cached default model", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
 ]

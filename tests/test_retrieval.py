@@ -3,7 +3,7 @@ that name context files (completer/imports.py)."""
 
 from completer.imports import imported_files, imported_modules
 from completer.prompt import Snippet
-from completer.retrieval import WINDOW_LINES, Retriever, windows
+from completer.retrieval import WINDOW_LINES, Retriever, WindowCache, windows
 
 MODELS = "\n".join([
     "class Invoice:",
@@ -49,6 +49,27 @@ def test_a_kept_window_whose_file_changed_is_dropped_and_the_budget_holds():
     chosen = r.select("invoice.total_amount()", [Snippet("app/models.py", changed)])
     assert all("total_amount" not in c.text for c in chosen)
     assert sum(len(c.text.split()) for c in chosen) <= 25
+
+
+def test_a_clients_documents_count_a_windows_tokens_once_and_forget_them_with_its_file():
+    counted = []
+
+    def count(snip: Snippet) -> int:
+        counted.append(snip.text)
+        return len(snip.text.split())
+
+    cache = WindowCache(max_chars=len(MODELS) + len(UTILS))
+    prefix = "invoice.total_amount()\nline.price"
+    files = [Snippet("app/models.py", MODELS), Snippet("app/utils.py", UTILS)]
+    first = Retriever(count, 40, cache).select(prefix, files)
+    once = len(counted)
+    assert first and once > 0
+    for _ in range(20):  # other documents of the same client, the same files
+        assert Retriever(count, 40, cache).select(prefix, files) == first
+    assert len(counted) == once
+    cache.windows(Snippet("app/other.py", UTILS))  # past max_chars: models.py, least recent, goes
+    held = {text for (_, text) in cache._tokens}
+    assert not any("total_amount" in text for text in held)
 
 
 def test_nothing_in_common_places_nothing_and_windows_cover_the_file():
