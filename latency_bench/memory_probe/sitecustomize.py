@@ -15,8 +15,10 @@ use (a leak):
 - `held`: what the service keeps between requests: its clients (a
   connection's, and the compatible routes' one shared by their HTTP
   clients), their documents' prompt state, the files their retrieval cut
-  (windows, characters) and the windows' token counts the documents keep;
+  (windows, characters) and the windows' token counts kept with them;
 - `objects`: live Python objects by type (the 15 most numerous), from gc;
+  then `cycles`: what a full gc.collect() found unreachable (the objects
+  above held only by reference cycles), and the retrieval windows before and after;
 - `traced`: with $COMPLETER_TRACEMALLOC set (tracemalloc started at import:
   slower), the Python allocations' total and the 15 source lines that grew
   most since the first dump.
@@ -91,8 +93,7 @@ def _install() -> None:
         return {"clients": len(clients), "documents": len(documents),
                 "window_files": sum(len(w._cut) for w in caches), "window_chars": sum(w._chars for w in caches),
                 "windows": sum(len(cut) for w in caches for cut in w._cut.values()),
-                "token_counts": sum(len(d.retriever._tokens) for d in documents
-                                    if getattr(d, "retriever", None) is not None)}
+                "token_counts": sum(len(w._tokens) for w in caches)}
 
     def dump(*_) -> None:
         out = {"at": time.time()}
@@ -107,6 +108,10 @@ def _install() -> None:
         out["held"] = held()
         counts = Counter(type(o).__name__ for o in gc.get_objects())
         out["objects"] = {"total": sum(counts.values()), "top": dict(counts.most_common(15))}
+        windows = counts.get("Window", 0)
+        unreachable = gc.collect()
+        out["cycles"] = {"unreachable": unreachable, "windows_before": windows,
+                         "windows_after": sum(type(o).__name__ == "Window" for o in gc.get_objects())}
         if tracing:
             snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             out["traced_mb"] = round(sum(s.size for s in snapshot.statistics("filename")) / 2**20, 1)
