@@ -56,6 +56,8 @@ SURFACES = [
     ("server memory across a client's documents", "retrieval's windows cut, and their token counts kept, once per "
      "file for all of a client's documents, within its context store plus one request's files (not once per "
      "document)", "test_service, test_retrieval"),
+    ("server memory after a connection closes", "its session, documents and retrieval windows freed as it closes "
+     "(no reference cycle leaves them to the next full collection)", "test_server_limits"),
     ("cached default model", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
 ]
@@ -224,6 +226,11 @@ def idle_lines(r: SoakResult) -> list[str]:
                       f"{pb['blocks_in_use_mb'] - pa['blocks_in_use_mb']:+.1f} MB, free blocks "
                       f"{pb['blocks_free_mb'] - pa['blocks_free_mb']:+.1f} MB, unused pools "
                       f"{pb['unused_pools_mb'] - pa['unused_pools_mb']:+.1f} MB.", ""]
+        if (ca := a.get("cycles")) and (cb := b.get("cycles")):
+            lines += [f"Then a full `gc.collect()` (after the figures above) found {ca['unreachable']:,} and "
+                      f"{cb['unreachable']:,} objects held only by reference cycles at the first and last idle; "
+                      f"retrieval windows before and after it: {ca['windows_before']:,} -> {ca['windows_after']:,}, "
+                      f"{cb['windows_before']:,} -> {cb['windows_after']:,}.", ""]
         if (ha := a.get("held")) and (hb := b.get("held")):
             lines += ["What the service itself kept at the first idle and the last (its clients: the compatible "
                       "routes' one lives on between HTTP connections): "
