@@ -84,14 +84,12 @@ def query_of(prefix: str) -> frozenset[str]:
 
 
 class WindowCache:
-    """Files cut into windows, shared by the documents of one client: each
-    document once kept its own cut of every file sent (~19 MB for a
-    connection's 1M characters of context, in each of up to 256 documents:
-    issue #31's soak held 177,000 windows). Least recently used files go past
-    `max_chars` of their text. The windows' token counts are kept here too,
-    as long as their file is: a client's documents share one prompt builder,
-    so they count alike (kept per document, up to 4,096 each, they were the
-    next largest thing the soak's idle server held)."""
+    """Files cut into windows, and the windows' token counts, shared by the
+    documents of one client: cut per document, a connection's 1M characters
+    of context cost ~19 MB in each of up to 256 documents. A client's
+    documents share one prompt builder, so a window counts alike in all of
+    them. Least recently used files go past `max_chars` of their text, their
+    counts with them."""
 
     def __init__(self, max_chars: int = 2_000_000):
         self.max_chars = max_chars
