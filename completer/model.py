@@ -13,6 +13,7 @@ variants, layers and the forward pass read top to bottom.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Protocol
 
 import msgspec
@@ -319,13 +320,21 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
                       backend: AttentionBackend | None = None) -> torch.Tensor:
         """tokens, positions: [B, T] int64. Returns the final-normed hidden states."""
+        *_, hidden = self.hidden_state_layers(tokens, positions, backend)
+        return hidden
+
+    def hidden_state_layers(self, tokens: torch.Tensor, positions: torch.Tensor,
+                            backend: AttentionBackend | None = None) -> Iterator[torch.Tensor | None]:
+        """`hidden_states` a layer at a time: None before each layer, then the
+        final-normed hidden states (a pass that can stop between layers)."""
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(tokens.flatten())
         inputs, after = self.layer_halves
         for layer in self.model.layers:
+            yield None
             q, k, v = inputs(layer, x, cos, sin)
             x = after(layer, x, layer.self_attn.attend(q, k, v, tokens.shape, positions, backend))
-        return self.model.norm(x).view(*tokens.shape, -1)
+        yield self.model.norm(x).view(*tokens.shape, -1)
 
     def logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
         """fp32 logits over the full vocabulary from final hidden states [..., D]

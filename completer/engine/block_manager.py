@@ -22,6 +22,7 @@ Block 0 is reserved as a scratch slot for padding.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 BlockKey = tuple[int | str, tuple[int, ...]]  # (parent block's serial, or for the first the salt; its tokens)
 
@@ -93,16 +94,25 @@ class BlockManager:
         are always computed (and no shared block is ever written)."""
         table: list[int] = []
         chain: list[int] = []
+        for block in self._cached_blocks(tokens, salt, chain):
+            self._ref(block)
+            table.append(block)
+        return table, chain
+
+    def cached_tokens(self, tokens: list[int], salt: str = "") -> int:
+        """How many tokens `match_prefix` would find cached (no reference taken)."""
+        return sum(1 for _ in self._cached_blocks(tokens, salt, [])) * self.block_size
+
+    def _cached_blocks(self, tokens: list[int], salt: str, chain: list[int]) -> Iterator[int]:
+        """The cached blocks that start `tokens`, their identities appended to `chain`."""
         if not self.prefix_cache:
-            return table, chain
+            return
         for index in range((len(tokens) - 1) // self.block_size):
             block = self._lookup(self._key(tokens, index, chain, salt))
             if block is None:
-                break
-            self._ref(block)
-            table.append(block)
+                return
             chain.append(self.serial[block])
-        return table, chain
+            yield block
 
     def blocks_needed(self, table: list[int], num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(table))

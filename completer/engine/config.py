@@ -61,6 +61,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # running batch, with them, stays within this: each is a row of every
     # decode pass, nearly free while passes are bound by reading the weights.
     candidates_max_batch: int = 8
+    # Interactive work first (engine/scheduler.py): a keystroke's few new tokens and its
+    # decode passes run before bulk work (a prime, another editor's cold file, anything with
+    # more than `bulk_tokens` uncached prompt tokens). A bulk pass of `bulk_chunk` tokens
+    # pauses between layers when interactive work arrives and resumes where it stopped;
+    # when interactive work has kept bulk work waiting `bulk_starve_ms`, bulk work gets a
+    # slice of `bulk_slice_ms` (at least one layer). false: first come, first served.
+    interactive_first: bool = True
+    bulk_tokens: int = 1024
+    bulk_chunk: int = 256
+    bulk_starve_ms: float = 500.0
+    bulk_slice_ms: float = 25.0
 
 
 class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -107,11 +118,14 @@ def engine_problems(engine: EngineConfig) -> list[ConfigProblem]:
     """Values of `[engine]` the engine cannot run with (the size of the KV cache
     against the models is `kv_cache_problem`'s, once their shapes are known)."""
     found = _not_positive("engine.kv_cache_mb", engine.kv_cache_mb)
-    for key in ("block_size", "max_running", "max_queue", "prefill_chunk"):
+    for key in ("block_size", "max_running", "max_queue", "prefill_chunk", "bulk_chunk"):
         found += _below(f"engine.{key}", getattr(engine, key), 1)
     for key in ("threads", "decode_threads"):  # 0 = torch's default
         found += _below(f"engine.{key}", getattr(engine, key), 0)
     found += _below("engine.candidates_max_batch", engine.candidates_max_batch, 0)  # 0: never fork candidates
+    found += _below("engine.bulk_tokens", engine.bulk_tokens, 0)
+    for key in ("bulk_starve_ms", "bulk_slice_ms"):
+        found += _not_positive(f"engine.{key}", getattr(engine, key))
     return found
 
 

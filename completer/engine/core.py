@@ -31,7 +31,7 @@ from completer.engine.candidates import Candidates
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.fused_cpu import fused_layers_for
 from completer.engine.kv_cache_manager import KVCacheManager
-from completer.engine.model_runner import ModelRunner
+from completer.engine.model_runner import ModelRunner, Pass
 from completer.engine.output_processor import OutputProcessor
 from completer.engine.paged_kv import KV_DTYPES, KVPool, pool_blocks
 from completer.engine.remote_prefill import RemotePrefillSteps
@@ -62,6 +62,13 @@ class EngineLoop(Protocol):
 
     def cancel_waiting(self, request_ids: list[str]) -> bool:
         """Whether a cancel waits for every one of these requests."""
+
+    def interactive_waiting(self) -> bool:
+        """Whether interactive work (or a cancel) waits to come in: a bulk pass stops for it."""
+
+
+class BulkPaused(Exception):
+    """A bulk pass stopped between layers for interactive work (the core keeps it)."""
 
 
 class EngineCore:
@@ -98,6 +105,9 @@ class EngineCore:
             proposers.append(drafter)
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
         self.passes_interrupted = 0
+        # Bulk passes stopped between layers, by pool: (its sequence, first position, tokens) and the pass.
+        self.paused: dict[str, tuple[tuple[str, int, int], Pass]] = {}
+        self.bulk_slice_until: float | None = None  # the running bulk pass's end, when it runs a starved slice
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -224,6 +234,12 @@ class EngineCore:
             self.output.fail(seq, "internal", why)
             self._drop(seq)
 
+    def interactive(self, request: Request) -> bool:
+        """Whether a request coming in is interactive work (`scheduler`): its
+        uncached prompt estimated from the target's prefix cache, no reference taken."""
+        cached = self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)
+        return not self.scheduler.is_bulk(len(request.prompt) - cached, request.params.priming)
+
     def _step(self) -> list[Event]:
         self.take_closed_jobs()
         plan = self.scheduler.schedule(time.perf_counter())
@@ -231,7 +247,14 @@ class EngineCore:
             self._finish(seq, "deadline")
         if plan.expired:  # their answers go out now, not after this step's (maybe long) passes
             return self.output.drain()
-        if plan.prefill:
+        if plan.bulk:
+            self.bulk_slice_until = plan.slice_until
+            torch.set_num_threads(1 if self.fused else self.prefill_threads)
+            try:
+                self._prefill(plan.prefill)
+            except BulkPaused:  # interactive work came: it runs next step, this pass goes on after it
+                return self.output.drain()
+        elif plan.prefill:
             torch.set_num_threads(1 if self.fused else self.prefill_threads)
             self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
@@ -258,13 +281,39 @@ class EngineCore:
              prefill: bool = False):
         """One pass. A decode or verify pass may be given up when everyone in it
         was superseded; a prefill pass never is: the next keystroke's prompt
-        mostly starts with the same text, and finds the K/V in the cache."""
+        mostly starts with the same text, and finds the K/V in the cache. A
+        bulk sequence's pass may stop between layers (BulkPaused) and goes on
+        when the same chunk is planned again."""
+        if prefill and len(seqs) == 1 and seqs[0].bulk:
+            return self._run_bulk(role, seqs[0], rows[0], last)
         self.kv.allocate(role, seqs, rows)
         interrupted = None
         if self.loop is not None and self.config.interrupt_superseded and not prefill:
             interrupted = self._interrupted
         return self.runners[role].execute([s.kv[role] for s in seqs], rows, last_only, last=last,
                                           interrupted=interrupted)
+
+    def _run_bulk(self, role: str, seq: Sequence, row: list[int], last: int):
+        key = (seq.id, seq.kv[role].computed, len(row))
+        paused = self.paused.pop(role, None)
+        if paused is not None and paused[0] == key:
+            run = paused[1]
+        else:  # (a stale one belonged to a chunk planned otherwise: its blocks are the sequence's)
+            self.kv.allocate(role, [seq], [row])
+            run = self.runners[role].start([seq.kv[role]], [row], last=last)
+        logits = run.run(self._bulk_pause)
+        if run.layers_run:
+            self.scheduler.bulk_progressed()
+        if logits is None:
+            self.paused[role] = (key, run)
+            raise BulkPaused
+        return logits
+
+    def _bulk_pause(self) -> bool:
+        """Before each layer of a bulk pass: stop it for interactive work, or at its starved slice's end."""
+        if self.bulk_slice_until is not None:
+            return time.perf_counter() > self.bulk_slice_until
+        return self.loop is not None and self.loop.interactive_waiting()
 
     def _heals_in_prefill(self, seq: Sequence, role: str, n: int) -> bool:
         """Whether this chunk ends the prompt and the backed-off token rides
@@ -283,8 +332,8 @@ class EngineCore:
     def _prefill(self, plan: list[tuple[Sequence, int]]) -> None:
         """Up to each sequence's budget more prompt tokens in every pool
         (chunks of similar length in one pass); a sequence's first token once
-        the target has its whole prompt."""
-        last: dict[str, torch.Tensor] = {}
+        the target has its whole prompt (kept as soon as it has it: a bulk
+        drafter pass that stops after it must not lose them)."""
         for seq, _ in plan:
             if seq.moved is not None and seq.kv["target"].computed == seq.moved.at:
                 self._copy_moved(seq)
@@ -305,15 +354,14 @@ class EngineCore:
                     if role == "target":
                         seq.timings.prefill_ms += took_ms
                         seq.target_passes += 1
-                        last[seq.id] = logits[b, 0] if heals[b] else logits[b, -1]
+                        if seq.kv["target"].computed >= seq.prompt_len:
+                            seq.first_logits = logits[b, 0] if heals[b] else logits[b, -1]
                         seq.after_heal_logits = logits[b, 1] if heals[b] else None
                     else:
                         seq.timings.draft_ms += took_ms
                 if role == "target" and self.disagg is not None:
                     self.disagg.remote.observe_local(sum(map(len, rows)), took_ms / 1000)
         for seq, _ in plan:
-            if seq.id in last and seq.kv["target"].computed >= seq.prompt_len:
-                seq.first_logits = last[seq.id]
             self._start_decoding(seq)
 
     @staticmethod
@@ -404,6 +452,9 @@ class EngineCore:
                 self._finish(candidate, "cancelled")
 
     def _drop(self, seq: Sequence) -> None:
+        for role, (key, _) in list(self.paused.items()):  # its stopped pass would write blocks it gave back
+            if key[0] == seq.id:
+                del self.paused[role]
         if seq.remote_job is not None:  # a worker may still write its blocks: its job keeps them
             self.disagg.hand_over(seq)
         self.kv.free(seq)

@@ -69,6 +69,7 @@ class Engine:
         self._cancels = 0  # cancels in the inbox (read without the lock: a stale count costs a layer)
         self._sent = threading.Event()  # set by the loop once it has written what a pass produced
         self._live = EngineLive()
+        self._interactive: dict[str, bool] = {}  # requests in the inbox: interactive work (core.interactive)?
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
@@ -184,6 +185,25 @@ class Engine:
             waiting = {arg for op, arg in self._inbox if op == "cancel"}
         return waiting.issuperset(request_ids)
 
+    def interactive_waiting(self) -> bool:
+        """From the engine thread, before each layer of a bulk pass: a request
+        in the inbox is interactive work, or a cancel waits (it may end the
+        bulk request itself; a superseding keystroke brings one)."""
+        if not self._inbox:  # (read without the lock: a stale answer costs a layer)
+            return False
+        with self._cond:
+            ops = list(self._inbox)
+        for op, arg in ops:
+            if op == "cancel":
+                return True
+            if op == "add":
+                request = arg[0]
+                if (verdict := self._interactive.get(request.id)) is None:
+                    verdict = self._interactive[request.id] = self.core.interactive(request)
+                if verdict:
+                    return True
+        return False
+
     def _run(self) -> None:
         core = self.core
         busy = False  # since the memory was last handed back
@@ -210,6 +230,7 @@ class Engine:
                 if self._stopping:
                     return
                 inbox, self._inbox, self._cancels = self._inbox, [], 0
+                self._interactive = {}
             events: list = []
             for op, arg in inbox:
                 if op == "cancel":

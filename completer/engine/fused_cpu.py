@@ -107,23 +107,29 @@ class FusedCpuLayers:
     def fits(self, rows: int, width: int) -> bool:
         return rows * width <= self.MAX_TOKENS
 
-    def hidden_states(self, tokens: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
-                      layer_written: Callable[[int], None] | None = None,
-                      interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
-        """As `Transformer.hidden_states` over the paged pool: tokens [B, T] at
-        meta.positions; [B, T, d], final norm applied."""
+    def hidden_states(self, tokens: torch.Tensor, meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """As `Transformer.hidden_states` over the paged pool (the whole pass at once)."""
+        *_, hidden = self.hidden_state_layers(tokens, meta, pool)
+        return hidden
+
+    def hidden_state_layers(self, tokens: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                            layer_written: Callable[[int], None] | None = None,
+                            interrupted: Callable[[], bool] | None = None) -> Iterator[torch.Tensor | None]:
+        """As `Transformer.hidden_state_layers` over the paged pool: tokens [B, T]
+        at meta.positions; None before each layer, then [B, T, d], final norm applied."""
         model = self.model
         B, T = tokens.shape
         x = model.model.embed_tokens(tokens.flatten()).float().contiguous()
         cos, sin = (c.view(B * T, -1).contiguous() for c in model.rope(meta.positions))
         for layer in range(len(model.model.layers)):
+            yield None
             if interrupted is not None and interrupted():
                 raise PassInterrupted
             self.impl.forward(layer, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, T,
                               pool.k[layer], pool.v[layer], pool.block_size)
             if layer_written is not None:
                 layer_written(layer)
-        return model.model.norm(x).view(B, T, -1)
+        yield model.model.norm(x).view(B, T, -1)
 
 
 def fused_layers_for(model: Transformer, q8: bool = False, threads: int = 0) -> FusedCpuLayers | None:

@@ -69,7 +69,6 @@ class ModelRunner:
         self.pool.k.index_copy_(1, dst, apply_rope(k, angles.cos(), angles.sin()).to(self.pool.k.dtype))
         self.pool.v.index_copy_(1, dst, self.pool.v.index_select(1, src))
 
-    @torch.inference_mode()
     def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
                 layer_written: Callable[[int], None] | None = None, last: int = 0,
                 interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -80,6 +79,14 @@ class ModelRunner:
         l's new K/V are in the pool (a prefill worker ships them while the
         next layers run). `interrupted()`, asked before each layer, may give
         the pass up (`attention.PassInterrupted`; `computed` unchanged)."""
+        return self.start(states, rows, last_only, layer_written, last, interrupted).run()
+
+    @torch.inference_mode()
+    def start(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
+              layer_written: Callable[[int], None] | None = None, last: int = 0,
+              interrupted: Callable[[], bool] | None = None) -> "Pass":
+        """`execute`'s pass, not yet run: `Pass.run` runs it, and may stop it
+        between layers to go on later (bulk work making way for a keystroke)."""
         lens = [len(r) for r in rows]
         width = max(lens)
         plain = (self.graphs is not None and width == 1 and self.graphs.fits(len(rows)) and layer_written is None
@@ -87,26 +94,23 @@ class ModelRunner:
         meta = AttentionMetadata.build([s.table for s in states], [s.computed for s in states], lens,
                                        self.block_size, "cpu" if plain else self.device)
         if plain:
-            logits = self.graphs.run([r[0] for r in rows], meta)
-            logits = logits if last_only else logits[:, None]
+            def graph() -> Iterator[torch.Tensor]:
+                logits = self.graphs.run([r[0] for r in rows], meta)
+                yield logits if last_only else logits[:, None]
+            return Pass(states, lens, graph(), lambda logits: logits, contextlib.nullcontext)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, : len(row)] = torch.tensor(row)
+        if self.fused is not None and self.fused.fits(len(rows), width):
+            layers = self.fused.hidden_state_layers(tokens, meta, self.pool, layer_written, interrupted)
+            head, context = self.fused.head, self.fused.alone
         else:
-            tokens = torch.zeros(len(rows), width, dtype=torch.long)
-            for b, row in enumerate(rows):
-                tokens[b, : len(row)] = torch.tensor(row)
-            if self.fused is not None and self.fused.fits(len(rows), width):
-                with self.fused.alone():
-                    hidden = self.fused.hidden_states(tokens, meta, self.pool, layer_written, interrupted)
-                    logits = self.model.logits(self._last(hidden, lens, last_only, last), self.fused.head)
-            else:
-                triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
-                backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written,
-                                                                          interrupted)
-                with torch_threads(self.torch_threads):
-                    hidden = self.model.hidden_states(tokens.to(self.device), meta.positions, backend)
-                    logits = self.model.logits(self._last(hidden, lens, last_only, last))
-        for state, n in zip(states, lens):
-            state.computed += n
-        return logits
+            triton = self.attention == "triton" and width <= TritonAttention.MAX_NEW
+            backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written, interrupted)
+            layers = self.model.hidden_state_layers(tokens.to(self.device), meta.positions, backend)
+            head, context = None, lambda: torch_threads(self.torch_threads)
+        return Pass(states, lens, layers,
+                    lambda hidden: self.model.logits(self._last(hidden, lens, last_only, last), head), context)
 
     def _last(self, hidden: torch.Tensor, lens: list[int], last_only: bool, last: int) -> torch.Tensor:
         """The hidden states whose logits `execute` returns."""
@@ -117,3 +121,34 @@ class ModelRunner:
             at = torch.tensor([[max(0, n - last + j) for j in range(last)] for n in lens], device=self.device)
             return hidden[torch.arange(len(lens), device=self.device)[:, None], at]
         return hidden
+
+
+class Pass:
+    """One model pass over the pool, run a layer at a time. `run` may stop it
+    before a layer (its K/V so far written past each row's `computed`, into
+    blocks only its sequences hold) and a later `run` goes on from there."""
+
+    def __init__(self, states: list[CacheState], lens: list[int], layers: Iterator[torch.Tensor | None],
+                 finish: Callable[[torch.Tensor], torch.Tensor], context: Callable[[], contextlib.AbstractContextManager]):
+        self.states, self.lens = states, lens
+        self.layers = layers  # None before each layer, then the final hidden states (or logits)
+        self.finish = finish
+        self.context = context  # entered around each run: the threads the pass computes with
+        self.layers_run = 0  # by the last `run`
+
+    @torch.inference_mode()
+    def run(self, pause: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """The pass's logits, `computed` advanced; or None if `pause()`, asked
+        before each layer, said to stop."""
+        self.layers_run = 0
+        with self.context():
+            for hidden in self.layers:
+                if hidden is not None:
+                    break
+                if pause is not None and pause():
+                    return None
+                self.layers_run += 1
+            logits = self.finish(hidden)
+        for state, n in zip(self.states, self.lens):
+            state.computed += n
+        return logits

@@ -1,11 +1,25 @@
 """Which sequences run this step, and how much of each prompt is prefilled.
 
-Requests wait in arrival order; the oldest starts as soon as its worst case
-fits in every pool beside the running sequences' (so decoding never runs out
-of blocks) and fewer than `max_running` run. Prompts are prefilled in chunks:
-at most `prefill_chunk` prompt tokens a step over all sequences, so one long
-prompt cannot stall the others' decoding. Sequences past their deadline are
-handed back to be finished, here and between a step's passes.
+Interactive work first (`engine.interactive_first`): a sequence is *bulk* when
+it primes (max_tokens 0) or has more than `bulk_tokens` prompt tokens left to
+compute when admitted (another editor's cold file, a far jump at a large
+window); every other sequence is interactive. A step prefills interactive
+chunks (at most `prefill_chunk` tokens over all of them) and decodes; a bulk
+prompt gets a chunk of `bulk_chunk` tokens only in a step with no interactive
+prefill or decode to do, and its pass stops between layers as soon as an
+interactive request arrives (the core keeps it and goes on from that layer
+later). So a keystroke waits behind bulk work for at most one layer of one
+bulk pass, except when interactive work has kept every bulk prompt waiting
+`bulk_starve_ms`: then the oldest runs a slice of `bulk_slice_ms` however
+busy the engine is, so no flood of keystrokes starves it.
+
+Requests are admitted while their worst case fits in every pool beside the
+running sequences' (so decoding never runs out of blocks) and fewer than
+`max_running` run: in arrival order, and with interactive_first a request
+that does not fit does not hold back the ones behind it. Sequences past
+their deadline are handed back to be finished, here and between a step's
+passes. With interactive_first off: first come, first served, `prefill_chunk`
+tokens a step over every prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +35,10 @@ from completer.engine.sequence import Sequence, Status
 class StepPlan(NamedTuple):
     expired: list[Sequence]  # past their deadline: finish them
     prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens it may prefill this step)
+    # A bulk chunk (prefill holds it alone): its pass stops at an interactive arrival,
+    # or, when bulk work was starved, at this perf_counter() time.
+    bulk: bool = False
+    slice_until: float | None = None
 
 
 def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
@@ -62,6 +80,15 @@ class Scheduler:
         self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.bulk_waits_since: float | None = None  # bulk work ready and made no progress since
+
+    def is_bulk(self, uncached: int, priming: bool) -> bool:
+        """Whether a prompt with this many tokens left to compute is bulk work."""
+        return self.config.interactive_first and (priming or uncached > self.config.bulk_tokens)
+
+    def bulk_progressed(self) -> None:
+        """A bulk pass ran at least one layer: the starvation clock starts again."""
+        self.bulk_waits_since = None
 
     @property
     def has_work(self) -> bool:
@@ -106,13 +133,30 @@ class Scheduler:
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
         for seq in self.running:
-            if seq.status not in (Status.PREFILL, Status.REMOTE) or not (left := seq.prefill_left):
+            if seq.status not in (Status.PREFILL, Status.REMOTE) or not (left := seq.prefill_left) or seq.bulk:
                 continue
             if budget <= 0:
                 break
             prefill.append((seq, budget))  # the drafter keeps pace within the same budget
             budget -= min(budget, left)
-        return StepPlan(expired, prefill)
+        if prefill:
+            return StepPlan(expired, prefill)
+        return self._bulk_plan(now, expired)
+
+    def _bulk_plan(self, now: float, expired: list[Sequence]) -> StepPlan:
+        """The oldest bulk prompt's next chunk, when interactive work lets it run or it starved."""
+        bulk = next((s for s in self.running if s.bulk and s.status is Status.PREFILL and s.prefill_left), None)
+        if bulk is None:
+            self.bulk_waits_since = None
+            return StepPlan(expired, [])
+        if self.bulk_waits_since is None:
+            self.bulk_waits_since = now
+        slice_until = None
+        if any(not s.bulk for s in self.decoding()):
+            if (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
+                return StepPlan(expired, [])
+            slice_until = now + self.config.bulk_slice_ms / 1000
+        return StepPlan(expired, [(bulk, self.config.bulk_chunk)], bulk=True, slice_until=slice_until)
 
     @property
     def only_transfers(self) -> bool:
@@ -123,14 +167,20 @@ class Scheduler:
         return [s for s in self.running if s.status is Status.DECODE]
 
     def _admit(self, now: float) -> None:
-        while self.waiting and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_running:
+                return
             if not self.kv.admit(seq, self.running):
-                break
-            self.waiting.popleft()
+                if self.config.interactive_first:
+                    continue  # a smaller request behind it may fit
+                return
+            self.waiting.remove(seq)
             seq.status = Status.PREFILL
             seq.timings.queue_ms = (now - seq.arrival) * 1000
-            seq.timings.cached_tokens = seq.kv["target"].computed
+            target = seq.kv["target"]
+            seq.timings.cached_tokens = target.computed
+            moved = seq.moved.length if seq.moved is not None else 0
+            seq.bulk = self.is_bulk(seq.prompt_len - target.computed - moved, seq.params.priming)
             self.running.append(seq)
             if self.connector is not None and self.connector.admit(seq, self.running):
                 seq.status = Status.REMOTE

@@ -56,6 +56,7 @@ class Sequence:
         # (the second token, if the first is that token).
         self.after_heal_logits: torch.Tensor | None = None
         self.moved = None  # moved_kv.MovedRun: K/V of this prompt's text computed elsewhere, to copy in
+        self.bulk = False  # its prefill is bulk work, behind every keystroke's (set on admission: scheduler)
         self.target_passes = 0  # target passes this request was in (Timings.first_token_passes)
         self.ngram = None  # proposers.NgramIndex, built on first use
         self.generator: torch.Generator | None = None  # seeded sampling

@@ -1,0 +1,153 @@
+"""A typing editor beside another editor's long file opens: does a keystroke
+wait behind bulk work? (`engine.interactive_first`, issue #42.)
+
+One run, the rows one after the other on the same trace and documents (a
+fresh `completer serve` each, caches cold, `model.context_tokens = 8192`):
+
+- fifo: `engine.interactive_first = false` (first come, first served);
+- interactive: `engine.interactive_first = true` (the default);
+- fifo_disagg, interactive_disagg: the same with disaggregation on (one
+  local prefill worker pinned to CPU 1, the engine to CPU 0, as
+  `python -m latency_bench disagg`'s `on`).
+
+Workload: one editor replays its keystroke trace (`keystrokes.py`: real
+code typed key by key at a person's pace, a `complete` after every key, as
+`python -m latency_bench replay` does), while a second connection opens a
+new ~`--long-tokens`-token document (nothing cached) every `--long-every`
+seconds, the next after the last has its answer. Per row: the typist's
+keystrokes answered before the next key (first text, or the answer, before
+the next key), TTFT p50/p90/p99 with their counts, the opens' TTFT, and the
+server timeline (`done.timings`) of the slowest keystrokes.
+
+    python -m latency_bench bulk                     # 4 rows, 60 s each -> docs/results/bulk_bench.json
+    python -m latency_bench bulk --rows fifo interactive --seconds 30 --out /tmp/bulk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from completer.checkpoint import load_tokenizer
+from completer.evaluate import heldout_files
+from completer.model_store import resolve_target
+from latency_bench.disagg_bench import configurations, long_documents, sample, timed
+from latency_bench.editors import keep_reading_log
+from latency_bench.harness import ROOT, TOKEN, ServerProcess, complete_msg, connect, running_server
+from latency_bench.keystrokes import corpus_files
+from latency_bench.replay import ReplayOptions, completer_editor, summarize, traces
+from latency_bench.run_results import machine, now, write_result
+
+OPEN_DEADLINE_MS = 120_000
+console = Console(width=180)
+
+
+def rows(threshold: int) -> dict[str, tuple[str, ...]]:
+    cfg = configurations(threshold)
+    return {"fifo": (*cfg["off"], "engine.interactive_first=false"),
+            "interactive": (*cfg["off"], "engine.interactive_first=true"),
+            "fifo_disagg": (*cfg["on"], "engine.interactive_first=false"),
+            "interactive_disagg": (*cfg["on"], "engine.interactive_first=true")}
+
+
+async def opener(server: ServerProcess, docs: list[str], start: float, seconds: float, every: float,
+                 out: list[dict]) -> None:
+    """A new long document every `every` s (after the last one's answer), until `seconds`."""
+    async with connect(server) as ws:
+        for n, text in enumerate(docs):
+            due = start + 1.0 + n * every
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            if time.perf_counter() - start >= seconds:
+                return
+            rid = f"open{n}"
+            ms, end = await timed(ws, rid, complete_msg(rid, text, "\n", uri=f"file:///bulk/open{n}.py",
+                                                        deadline_ms=OPEN_DEADLINE_MS))
+            out.append(sample(ms, end))
+
+
+async def workload(server: ServerProcess, trace, opts: ReplayOptions, docs: list[str], every: float,
+                   no_long: bool) -> tuple[list, list[dict]]:
+    samples: list = []
+    opens: list[dict] = []
+    start = time.perf_counter()
+    runs = [completer_editor(trace, server.ws_url, TOKEN, start, opts, samples, lambda: None)]
+    if not no_long:
+        runs.append(opener(server, docs, start, opts.seconds, every, opens))
+    await asyncio.gather(*runs)
+    return samples, opens
+
+
+def slowest(samples: list, n: int = 8) -> list[dict]:
+    """The keystrokes that took longest to their first text (or answer), with the server's timeline."""
+    timed_ = [s for s in samples if s.next_key_s is not None and (s.ttft_s or s.answer_s) is not None]
+    timed_.sort(key=lambda s: -(s.ttft_s if s.ttft_s is not None else s.answer_s))
+    return [{"key": s.key, "ttft_ms": round((s.ttft_s or s.answer_s) * 1000, 1), "outcome": s.outcome,
+             "next_key_ms": round(s.next_key_s * 1000, 1), "timings": s.timings} for s in timed_[:n]]
+
+
+def run_row(name: str, settings: tuple[str, ...], args, trace, docs) -> dict:
+    console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in settings))
+    load_before = os.getloadavg()
+    opts = ReplayOptions(editors=1, seconds=args.seconds, seed=args.seed, run=name, deadline_ms=args.deadline_ms)
+    with running_server(*settings, model=args.model, timeout=600) as server:
+        log = keep_reading_log(server)
+        samples, opens = asyncio.run(workload(server, trace, opts, docs, args.long_every, args.no_long))
+        suspicious = [ln.rstrip() for ln in list(log) if "Traceback" in ln or "ERROR" in ln]
+    typing = summarize(samples, args.deadline_ms)
+    for k in ("finished_sites", "ttft_sites", "line_sites"):
+        typing.pop(k)
+    return {"settings": list(settings), "typing": typing, "slowest": slowest(samples),
+            "opens": opens, "open_count": len(opens),
+            "open_ttft_ms": sorted(o["client_ttft_ms"] for o in opens),
+            "server_log_suspicious": suspicious, "loadavg_before_after": [load_before, os.getloadavg()]}
+
+
+def report(results: dict) -> None:
+    t = Table(title="typing beside long file opens")
+    for c in ("row", "keys", "before next key", "TTFT p50", "p90", "p99", "opens", "open TTFT p50 ms", "errors"):
+        t.add_column(c, justify="right")
+    for name, r in results.items():
+        ty, opens = r["typing"], r["open_ttft_ms"]
+        t.add_row(name, str(ty["keystrokes"]), f"{ty['served_before_next_key']:.1%}", str(ty["ttft_p50_ms"]),
+                  str(ty["ttft_p90_ms"]), str(ty["ttft_p99_ms"]) + f" (n {ty['ttft_n']})", str(r["open_count"]),
+                  str(opens[len(opens) // 2]) if opens else "-", str(ty["errors"]))
+    console.print(t)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", nargs="+", default=list(rows(1024)), choices=list(rows(1024)))
+    p.add_argument("--seconds", type=float, default=60.0, help="of typing per row")
+    p.add_argument("--long-every", type=float, default=5.0)
+    p.add_argument("--long-tokens", type=int, default=7500)
+    p.add_argument("--no-long", action="store_true", help="the typist alone: each row's baseline")
+    p.add_argument("--threshold", type=int, default=1024, help="disagg.threshold_tokens of the disagg rows")
+    p.add_argument("--deadline-ms", type=float, default=2000.0, help="of the keystrokes")
+    p.add_argument("--model", default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "docs/results/bulk_bench.json")
+    args = p.parse_args()
+    tokenizer = load_tokenizer(resolve_target(args.model))
+    docs = long_documents([f.text for f in heldout_files()[1]], int(args.seconds / args.long_every) + 2,
+                          args.long_tokens, tokenizer, args.seed)
+    _, files = corpus_files(None)
+    trace = traces(files, ReplayOptions(editors=1, seconds=args.seconds, seed=args.seed, run="bulk"))[0]
+    every = rows(args.threshold)
+    results = {name: run_row(name, every[name], args, trace, docs) for name in args.rows}
+    report(results)
+    write_result(args.out, {"command": " ".join(sys.argv), "date": now(), "machine": msgspec.to_builtins(machine()),
+                            "args": vars(args) | {"out": str(args.out)}, "rows": results})
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
