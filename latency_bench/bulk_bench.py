@@ -10,10 +10,12 @@ fresh `completer serve` each, caches cold, `model.context_tokens = 8192`):
   local prefill worker pinned to CPU 1, the engine to CPU 0, as
   `python -m latency_bench disagg`'s `on`).
 
-Workload: one editor replays its keystroke trace (`keystrokes.py`: real
-code typed key by key at a person's pace, a `complete` after every key, as
-`python -m latency_bench replay` does), while a second connection opens a
-new ~`--long-tokens`-token document (nothing cached) every `--long-every`
+Workload: one editor types steadily into a warm document (a held-out file
+of 12 KB or more, the cursor at a line start 4-6 KB in; one untimed request
+warms it, then the file's own next characters one every `--key-ms` (150),
+a `complete` after each, superseding the last, as the replay's editors do:
+`replay.completer_editor`), while a second connection opens a new
+~`--long-tokens`-token document (nothing cached) every `--long-every`
 seconds, the next after the last has its answer. Per row: the typist's
 keystrokes answered before the next key (first text, or the answer, before
 the next key), TTFT p50/p90/p99 with their counts, the opens' TTFT, and the
@@ -42,11 +44,12 @@ from completer.model_store import resolve_target
 from latency_bench.disagg_bench import configurations, long_documents, sample, timed
 from latency_bench.editors import keep_reading_log
 from latency_bench.harness import ROOT, TOKEN, ServerProcess, complete_msg, connect, running_server
-from latency_bench.keystrokes import corpus_files
-from latency_bench.replay import ReplayOptions, completer_editor, summarize, traces
+from latency_bench.keystrokes import Document, Key, Trace
+from latency_bench.replay import ReplayOptions, completer_editor, summarize
 from latency_bench.run_results import machine, now, write_result
 
 OPEN_DEADLINE_MS = 120_000
+WARM_S = 2.0  # from the first (warm) request to the first typed key and the first open
 console = Console(width=180)
 
 
@@ -58,14 +61,31 @@ def rows(threshold: int) -> dict[str, tuple[str, ...]]:
             "interactive_disagg": (*cfg["on"], "engine.interactive_first=true")}
 
 
+def steady_trace(text: str, key_s: float, seconds: float, seed: int) -> Trace:
+    """Key 0 types nothing (its document is warm by then: `warm`); then one
+    character every `key_s`, the file's own, from a line start 4-6 KB in."""
+    import random
+
+    rng = random.Random(seed)
+    cursor = text.rfind("\n", 0, rng.randint(4000, 6000)) + 1
+    room = min(len(text) - cursor - 200, int(seconds / key_s) + 10)
+    typed = text[cursor: cursor + room]
+    keys = [Key(0.0, 0, cursor, 0, "", "")]
+    for i, ch in enumerate(typed):
+        end = typed.find("\n", i + 1)
+        keys.append(Key(WARM_S if i == 0 else key_s, 0, cursor + i, 0, ch,
+                        typed[i + 1: end if end >= 0 else len(typed)] if ch != "\n" else ""))
+    return Trace(0, [Document(f"file:///bulk/typist{seed}.py", text[:cursor] + text[cursor + room:])], keys)
+
+
 async def opener(server: ServerProcess, docs: list[str], start: float, seconds: float, every: float,
                  out: list[dict]) -> None:
     """A new long document every `every` s (after the last one's answer), until `seconds`."""
     async with connect(server) as ws:
         for n, text in enumerate(docs):
-            due = start + 1.0 + n * every
+            due = start + WARM_S + n * every
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            if time.perf_counter() - start >= seconds:
+            if time.perf_counter() - start >= seconds:  # (WARM_S + the typing)
                 return
             rid = f"open{n}"
             ms, end = await timed(ws, rid, complete_msg(rid, text, "\n", uri=f"file:///bulk/open{n}.py",
@@ -73,8 +93,19 @@ async def opener(server: ServerProcess, docs: list[str], start: float, seconds: 
             out.append(sample(ms, end))
 
 
+async def warm(server: ServerProcess, trace: Trace) -> dict:
+    """The typist's document prefilled before the clock starts (the server's
+    prefix cache is shared between connections by default)."""
+    doc, key = trace.documents[0], trace.keys[0]
+    async with connect(server) as ws:
+        _, end = await timed(ws, "warm", complete_msg("warm", doc.text[: key.at], doc.text[key.at:], uri=doc.uri,
+                                                      deadline_ms=OPEN_DEADLINE_MS))
+    return end
+
+
 async def workload(server: ServerProcess, trace, opts: ReplayOptions, docs: list[str], every: float,
                    no_long: bool) -> tuple[list, list[dict]]:
+    await warm(server, trace)
     samples: list = []
     opens: list[dict] = []
     start = time.perf_counter()
@@ -96,12 +127,14 @@ def slowest(samples: list, n: int = 8) -> list[dict]:
 def run_row(name: str, settings: tuple[str, ...], args, trace, docs) -> dict:
     console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in settings))
     load_before = os.getloadavg()
-    opts = ReplayOptions(editors=1, seconds=args.seconds, seed=args.seed, run=name, deadline_ms=args.deadline_ms)
+    opts = ReplayOptions(editors=1, seconds=WARM_S + args.seconds, seed=args.seed, run=name,
+                         deadline_ms=args.deadline_ms)
     with running_server(*settings, model=args.model, timeout=600) as server:
         log = keep_reading_log(server)
         samples, opens = asyncio.run(workload(server, trace, opts, docs, args.long_every, args.no_long))
         suspicious = [ln.rstrip() for ln in list(log) if "Traceback" in ln or "ERROR" in ln]
-    typing = summarize(samples, args.deadline_ms)
+    warm, samples = samples[0], samples[1:]
+    typing = summarize(samples, args.deadline_ms) | {"warm_up": warm.outcome}
     for k in ("finished_sites", "ttft_sites", "line_sites"):
         typing.pop(k)
     return {"settings": list(settings), "typing": typing, "slowest": slowest(samples),
@@ -126,6 +159,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", default=list(rows(1024)), choices=list(rows(1024)))
     p.add_argument("--seconds", type=float, default=60.0, help="of typing per row")
+    p.add_argument("--key-ms", type=float, default=150.0, help="between the typist's keys")
     p.add_argument("--long-every", type=float, default=5.0)
     p.add_argument("--long-tokens", type=int, default=7500)
     p.add_argument("--no-long", action="store_true", help="the typist alone: each row's baseline")
@@ -138,8 +172,8 @@ def main() -> int:
     tokenizer = load_tokenizer(resolve_target(args.model))
     docs = long_documents([f.text for f in heldout_files()[1]], int(args.seconds / args.long_every) + 2,
                           args.long_tokens, tokenizer, args.seed)
-    _, files = corpus_files(None)
-    trace = traces(files, ReplayOptions(editors=1, seconds=args.seconds, seed=args.seed, run="bulk"))[0]
+    big = [f.text for f in heldout_files()[1] if len(f.text) > 12_000]
+    trace = steady_trace(big[args.seed % len(big)], args.key_ms / 1000, args.seconds, args.seed)
     every = rows(args.threshold)
     results = {name: run_row(name, every[name], args, trace, docs) for name in args.rows}
     report(results)

@@ -56,6 +56,9 @@ class StepLoop:
     def cancel_waiting(self, request_ids):
         return self.cancel(request_ids)
 
+    def arrivals(self):
+        return []
+
 
 def usage(core, role="target"):
     return core.kv.pools[role].usage()

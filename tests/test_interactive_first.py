@@ -23,16 +23,16 @@ def long_prompt(n: int = 600) -> list[int]:
 
 
 class ArrivingLoop(StepLoop):
-    """An engine loop where interactive work arrives before layer `at` of the
-    next bulk pass (counting the pause checks), then no more."""
+    """An engine loop where a request arrives before layer `at` of the next
+    bulk pass (counting the pause checks) and is in the inbox until taken."""
 
-    def __init__(self, at: int):
+    def __init__(self, at: int, request: Request):
         super().__init__()
-        self.asked, self.at = 0, at
+        self.asked, self.at, self.request = 0, at, request
 
-    def interactive_waiting(self) -> bool:
+    def arrivals(self) -> list[Request]:
         self.asked += 1
-        return self.asked == self.at
+        return [self.request] if self.asked >= self.at else []
 
 
 def counting_starts(core) -> list[int]:
@@ -56,15 +56,16 @@ def test_a_bulk_pass_stops_between_layers_for_a_keystroke_and_goes_on_from_there
     core = make_core(models, tokenizer, draft=None, config=BULK)
     started = counting_starts(core)
     core.add(Request("bulk", long_prompt(), free_mode(8)))
-    assert core.step(ArrivingLoop(at=2)) == []  # one layer ran, then a keystroke came
-    bulk = core.by_id["bulk"]
-    assert bulk.bulk and bulk.kv["target"].computed == 0 and "target" in core.paused
-
     keystroke = prompts(1, seed=5)[0]
-    core.add(Request("key", keystroke, free_mode(4)))
+    key = Request("key", keystroke, free_mode(4))
+    assert core.step(ArrivingLoop(2, key)) == []  # one layer ran, then a keystroke came
+    bulk = core.by_id["bulk"]
+    assert bulk.bulk and bulk.kv["target"].computed == 0 and ("target", "bulk") in core.paused
+
+    core.add(key)
     events = core.step(StepLoop())
     assert any(isinstance(e, Delta) and e.id == "key" for e in events)  # its first token, bulk still stopped
-    assert bulk.kv["target"].computed == 0 and "target" in core.paused
+    assert bulk.kv["target"].computed == 0 and ("target", "bulk") in core.paused
 
     done = {}
     while core.has_work:
@@ -90,8 +91,8 @@ def test_a_keystroke_is_planned_before_a_long_prompt_that_came_first_and_not_wit
 def test_a_prime_is_bulk_work_and_a_cancel_drops_its_stopped_pass(models, tokenizer):
     core = make_core(models, tokenizer, draft=None, config=BULK)
     core.add(Request("prime", prompts(1, seed=2)[0], SamplingParams(max_tokens=0)))
-    assert core.step(ArrivingLoop(at=1)) == []
-    assert core.by_id["prime"].bulk and "target" in core.paused
+    assert core.step(ArrivingLoop(1, Request("key", prompts(1, seed=5)[0], free_mode(4)))) == []
+    assert core.by_id["prime"].bulk and ("target", "prime") in core.paused
     core.abort("prime")
     assert core.paused == {} and usage(core) == 0
 
@@ -129,3 +130,39 @@ async def test_through_the_engine_a_keystroke_after_a_long_prompt_ends_before_it
         engine.stop()
     assert all(isinstance(r, Finished) for r in results)
     assert order[0] == ("key" if interactive_first else "bulk")
+
+
+def test_a_shorter_bulk_prompt_stops_a_longer_ones_pass_and_both_keep_their_progress(models, tokenizer):
+    config = msgspec.structs.replace(BULK, bulk_tokens=16)
+    alone = {r: run(make_core(models, tokenizer, draft=None, config=config), [req])[r].text
+             for r, req in (("long", Request("long", long_prompt(600), free_mode(4))),
+                            ("short", Request("short", long_prompt(120)[7:], free_mode(4))))}
+    core = make_core(models, tokenizer, draft=None, config=config)
+    started = counting_starts(core)
+    core.add(Request("long", long_prompt(600), free_mode(4)))
+    short = Request("short", long_prompt(120)[7:], free_mode(4))
+    core.step(ArrivingLoop(2, short))
+    assert ("target", "long") in core.paused  # stopped after a layer for the shorter one
+    core.add(short)
+    done = {}
+    while core.has_work:
+        done.update({e.id: e for e in core.step(StepLoop()) if isinstance(e, Finished)})
+    assert {r: f.text for r, f in done.items()} == alone
+    assert [n for n in started if n > 16] == [256, 113, 256, 88], "the short one ran first; the long one went on"
+
+
+def test_the_drafter_makes_no_catch_up_pass_over_a_bulk_prompt_and_the_ngram_proposer_still_serves_it(
+        models, tokenizer):
+    core = make_core(models, tokenizer, config=BULK)  # with the drafter
+    drafter = next(p for p in core.speculator.proposers if p.source == "draft")
+    core.add(Request("bulk", long_prompt(), free_mode(8)))
+    core.add(Request("key", long_prompt(40), free_mode(8)))
+    core.step(StepLoop())  # both admitted; the keystroke prefilled
+    bulk, key = core.by_id["bulk"], core.by_id["key"]
+    assert bulk.bulk and not key.bulk
+    assert drafter.offer(bulk, 4) == 0 and drafter.offer(key, 4) == 4
+    done = {}
+    while core.has_work:
+        done.update({e.id: e for e in core.step(StepLoop()) if isinstance(e, Finished)})
+    assert done["bulk"].reason == "length" and bulk.kv["draft"].computed == 0
+    assert core.kv.pools["draft"].usage() == 0

@@ -63,8 +63,8 @@ class EngineLoop(Protocol):
     def cancel_waiting(self, request_ids: list[str]) -> bool:
         """Whether a cancel waits for every one of these requests."""
 
-    def interactive_waiting(self) -> bool:
-        """Whether interactive work (or a cancel) waits to come in: a bulk pass stops for it."""
+    def arrivals(self) -> list[Request]:
+        """The requests waiting to come in (a bulk pass stops for those that go first)."""
 
 
 class BulkPaused(Exception):
@@ -105,9 +105,11 @@ class EngineCore:
             proposers.append(drafter)
         self.speculator = Speculator(proposers, self.policy, spec.max_batch)
         self.passes_interrupted = 0
-        # Bulk passes stopped between layers, by pool: (its sequence, first position, tokens) and the pass.
-        self.paused: dict[str, tuple[tuple[str, int, int], Pass]] = {}
+        # Bulk passes stopped between layers, by (pool, sequence): (first position, tokens) and the pass.
+        self.paused: dict[tuple[str, str], tuple[tuple[int, int], Pass]] = {}
         self.bulk_slice_until: float | None = None  # the running bulk pass's end, when it runs a starved slice
+        self.bulk_running: Sequence | None = None  # whose bulk pass runs now
+        self.uncached: dict[str, int] = {}  # arrivals' prompt tokens not in the prefix cache, estimated once
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
         self.decode_threads = config.decode_threads or self.prefill_threads
@@ -160,6 +162,7 @@ class EngineCore:
             raise EngineError("bad_request", "empty prompt")
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
+        self.uncached.pop(request.id, None)
         seq = self._sequence(request)
         if submitted is not None:
             seq.timings.prepare_ms = (submitted - request.arrival) * 1000
@@ -234,11 +237,14 @@ class EngineCore:
             self.output.fail(seq, "internal", why)
             self._drop(seq)
 
-    def interactive(self, request: Request) -> bool:
-        """Whether a request coming in is interactive work (`scheduler`): its
-        uncached prompt estimated from the target's prefix cache, no reference taken."""
-        cached = self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)
-        return not self.scheduler.is_bulk(len(request.prompt) - cached, request.params.priming)
+    def goes_first(self, request: Request, bulk: Sequence) -> bool:
+        """Whether a request coming in goes before a running bulk pass: it is
+        interactive work, or bulk work with less left (its uncached prompt
+        estimated from the target's prefix cache, no reference taken)."""
+        if (uncached := self.uncached.get(request.id)) is None:
+            cached = self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)
+            uncached = self.uncached[request.id] = len(request.prompt) - cached
+        return not self.scheduler.is_bulk(uncached, request.params.priming) or uncached < bulk.prefill_left
 
     def _step(self) -> list[Event]:
         self.take_closed_jobs()
@@ -294,26 +300,33 @@ class EngineCore:
                                           interrupted=interrupted)
 
     def _run_bulk(self, role: str, seq: Sequence, row: list[int], last: int):
-        key = (seq.id, seq.kv[role].computed, len(row))
-        paused = self.paused.pop(role, None)
+        key = (seq.kv[role].computed, len(row))
+        paused = self.paused.pop((role, seq.id), None)
         if paused is not None and paused[0] == key:
             run = paused[1]
         else:  # (a stale one belonged to a chunk planned otherwise: its blocks are the sequence's)
             self.kv.allocate(role, [seq], [row])
             run = self.runners[role].start([seq.kv[role]], [row], last=last)
-        logits = run.run(self._bulk_pause)
+        self.bulk_running = seq
+        try:
+            logits = run.run(self._bulk_pause)
+        finally:
+            self.bulk_running = None
         if run.layers_run:
             self.scheduler.bulk_progressed()
         if logits is None:
-            self.paused[role] = (key, run)
+            self.paused[role, seq.id] = (key, run)
             raise BulkPaused
         return logits
 
     def _bulk_pause(self) -> bool:
-        """Before each layer of a bulk pass: stop it for interactive work, or at its starved slice's end."""
+        """Before each layer of a bulk pass: stop it for a request that goes
+        first, or at its starved slice's end. (Not for a cancel: a bulk pass
+        whose request was superseded runs to its end, as a prefill pass does,
+        since the next keystroke's prompt reuses its K/V.)"""
         if self.bulk_slice_until is not None:
             return time.perf_counter() > self.bulk_slice_until
-        return self.loop is not None and self.loop.interactive_waiting()
+        return self.loop is not None and any(self.goes_first(r, self.bulk_running) for r in self.loop.arrivals())
 
     def _heals_in_prefill(self, seq: Sequence, role: str, n: int) -> bool:
         """Whether this chunk ends the prompt and the backed-off token rides
@@ -452,9 +465,8 @@ class EngineCore:
                 self._finish(candidate, "cancelled")
 
     def _drop(self, seq: Sequence) -> None:
-        for role, (key, _) in list(self.paused.items()):  # its stopped pass would write blocks it gave back
-            if key[0] == seq.id:
-                del self.paused[role]
+        for role in self.kv.roles:  # its stopped pass would write blocks it gave back
+            self.paused.pop((role, seq.id), None)
         if seq.remote_job is not None:  # a worker may still write its blocks: its job keeps them
             self.disagg.hand_over(seq)
         self.kv.free(seq)

@@ -69,7 +69,6 @@ class Engine:
         self._cancels = 0  # cancels in the inbox (read without the lock: a stale count costs a layer)
         self._sent = threading.Event()  # set by the loop once it has written what a pass produced
         self._live = EngineLive()
-        self._interactive: dict[str, bool] = {}  # requests in the inbox: interactive work (core.interactive)?
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
@@ -185,24 +184,13 @@ class Engine:
             waiting = {arg for op, arg in self._inbox if op == "cancel"}
         return waiting.issuperset(request_ids)
 
-    def interactive_waiting(self) -> bool:
-        """From the engine thread, before each layer of a bulk pass: a request
-        in the inbox is interactive work, or a cancel waits (it may end the
-        bulk request itself; a superseding keystroke brings one)."""
+    def arrivals(self) -> list[Request]:
+        """From the engine thread, before each layer of a bulk pass: the
+        requests in the inbox (the core stops the pass for those that go first)."""
         if not self._inbox:  # (read without the lock: a stale answer costs a layer)
-            return False
+            return []
         with self._cond:
-            ops = list(self._inbox)
-        for op, arg in ops:
-            if op == "cancel":
-                return True
-            if op == "add":
-                request = arg[0]
-                if (verdict := self._interactive.get(request.id)) is None:
-                    verdict = self._interactive[request.id] = self.core.interactive(request)
-                if verdict:
-                    return True
-        return False
+            return [arg[0] for op, arg in self._inbox if op == "add"]
 
     def _run(self) -> None:
         core = self.core
@@ -230,7 +218,6 @@ class Engine:
                 if self._stopping:
                     return
                 inbox, self._inbox, self._cancels = self._inbox, [], 0
-                self._interactive = {}
             events: list = []
             for op, arg in inbox:
                 if op == "cancel":

@@ -87,6 +87,9 @@ class NgramProposer:
         return {seq.id: Proposal(self.source, seq.ngram.found[:k]) for seq, k in work}
 
 
+BULK_CATCH_UP = 256  # the longest catch-up the drafter makes for a bulk sequence
+
+
 class DraftModelProposer:
     source: Source = "draft"
 
@@ -97,6 +100,12 @@ class DraftModelProposer:
         self.interrupted: Callable[[], bool] | None = None
 
     def offer(self, seq: Sequence, limit: int) -> int:
+        """Nothing for a bulk sequence whose drafter has not seen its prompt
+        (another editor's long file): its catch-up would be one pass over the
+        whole prompt, and a keystroke would wait for all of it (the n-gram
+        proposer still serves it)."""
+        if seq.bulk and seq.prompt_len - seq.kv["draft"].computed > BULK_CATCH_UP:
+            return 0
         return limit
 
     def propose(self, work: list[tuple[Sequence, int]]) -> dict[str, Proposal]:

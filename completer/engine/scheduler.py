@@ -6,12 +6,13 @@ compute when admitted (another editor's cold file, a far jump at a large
 window); every other sequence is interactive. A step prefills interactive
 chunks (at most `prefill_chunk` tokens over all of them) and decodes; a bulk
 prompt gets a chunk of `bulk_chunk` tokens only in a step with no interactive
-prefill or decode to do, and its pass stops between layers as soon as an
-interactive request arrives (the core keeps it and goes on from that layer
-later). So a keystroke waits behind bulk work for at most one layer of one
-bulk pass, except when interactive work has kept every bulk prompt waiting
-`bulk_starve_ms`: then the oldest runs a slice of `bulk_slice_ms` however
-busy the engine is, so no flood of keystrokes starves it.
+prefill or decode to do (the bulk prompt with the least left first), and its
+pass stops between layers as soon as an interactive request arrives (the
+core keeps it and goes on from that layer later). So a keystroke waits
+behind bulk work for at most one layer of one bulk pass, except when
+interactive work has kept bulk work waiting `bulk_starve_ms`: then the
+oldest bulk prompt runs a slice of `bulk_slice_ms` however busy the engine
+is, so no flood of keystrokes starves it.
 
 Requests are admitted while their worst case fits in every pool beside the
 running sequences' (so decoding never runs out of blocks) and fewer than
@@ -30,6 +31,10 @@ from typing import NamedTuple, Protocol
 from completer.engine.config import EngineConfig
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.sequence import Sequence, Status
+
+
+BULK_CONTEXT = 2048  # context up to which a bulk pass takes `bulk_chunk` tokens (fewer past it)
+BULK_MIN_CHUNK = 32
 
 
 class StepPlan(NamedTuple):
@@ -144,19 +149,33 @@ class Scheduler:
         return self._bulk_plan(now, expired)
 
     def _bulk_plan(self, now: float, expired: list[Sequence]) -> StepPlan:
-        """The oldest bulk prompt's next chunk, when interactive work lets it run or it starved."""
-        bulk = next((s for s in self.running if s.bulk and s.status is Status.PREFILL and s.prefill_left), None)
-        if bulk is None:
+        """A bulk prompt's next chunk when interactive work lets it run: the
+        one with the least left (a cold file the user types in before another
+        editor's long open); when it starved, a slice for the oldest."""
+        bulk = [s for s in self.running if s.bulk and s.status is Status.PREFILL and s.prefill_left]
+        if not bulk:
             self.bulk_waits_since = None
             return StepPlan(expired, [])
         if self.bulk_waits_since is None:
             self.bulk_waits_since = now
-        slice_until = None
-        if any(not s.bulk for s in self.decoding()):
-            if (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
-                return StepPlan(expired, [])
-            slice_until = now + self.config.bulk_slice_ms / 1000
-        return StepPlan(expired, [(bulk, self.config.bulk_chunk)], bulk=True, slice_until=slice_until)
+        if not any(not s.bulk for s in self.decoding()):
+            shortest = min(bulk, key=lambda s: s.prefill_left)
+            return StepPlan(expired, [(shortest, self.bulk_chunk(shortest))], bulk=True)
+        if (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
+            return StepPlan(expired, [])
+        return StepPlan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))], bulk=True,
+                        slice_until=now + self.config.bulk_slice_ms / 1000)
+
+    def bulk_chunk(self, seq: Sequence) -> int:
+        """`bulk_chunk` tokens while the context is short, fewer past
+        BULK_CONTEXT: a layer's attention grows with tokens x context, and a
+        keystroke may wait for one layer (measured on 2 cores, SmolLM2 at int4:
+        a 256-token layer took ~14 ms at 1k of context, ~35-70 ms at 5-7k;
+        attention's time is linear in the tokens, so smaller chunks cost
+        little throughput). A function of the context, so a stopped pass's
+        chunk is planned again the same."""
+        context = seq.kv["target"].computed
+        return min(self.config.bulk_chunk, max(BULK_MIN_CHUNK, self.config.bulk_chunk * BULK_CONTEXT // max(1, context)))
 
     @property
     def only_transfers(self) -> bool:
