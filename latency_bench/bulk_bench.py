@@ -6,9 +6,12 @@ fresh `completer serve` each, caches cold, `model.context_tokens = 8192`):
 
 - fifo: `engine.interactive_first = false` (first come, first served);
 - interactive: `engine.interactive_first = true` (the default);
-- fifo_disagg, interactive_disagg: the same with disaggregation on (one
-  local prefill worker pinned to CPU 1, the engine to CPU 0, as
-  `python -m latency_bench disagg`'s `on`).
+- fifo_disagg, interactive_disagg: the same with disaggregation on as a
+  user turns it on (`disagg.enabled = true`: one local prefill worker,
+  `disagg.threshold_tokens`; no CPUs pinned, so with interactive_first the
+  worker shares the engine's cores and gets nothing: `shared_cores`);
+- interactive_disagg_pinned: the worker pinned to CPU 1 and the engine to
+  CPU 0, as `python -m latency_bench disagg`'s `on`.
 
 Workload: one editor types steadily into a warm document (a held-out file
 of 12 KB or more, the cursor at a line start 4-6 KB in; one untimed request
@@ -32,6 +35,7 @@ import asyncio
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -55,10 +59,12 @@ console = Console(width=180)
 
 def rows(threshold: int) -> dict[str, tuple[str, ...]]:
     cfg = configurations(threshold)
+    on = (*cfg["off"][:-1], "disagg.enabled=true", "disagg.workers=1", f"disagg.threshold_tokens={threshold}")
     return {"fifo": (*cfg["off"], "engine.interactive_first=false"),
             "interactive": (*cfg["off"], "engine.interactive_first=true"),
-            "fifo_disagg": (*cfg["on"], "engine.interactive_first=false"),
-            "interactive_disagg": (*cfg["on"], "engine.interactive_first=true")}
+            "fifo_disagg": (*on, "engine.interactive_first=false"),
+            "interactive_disagg": (*on, "engine.interactive_first=true"),
+            "interactive_disagg_pinned": (*cfg["on"], "engine.interactive_first=true")}
 
 
 def steady_trace(text: str, key_s: float, seconds: float, seed: int) -> Trace:
@@ -137,7 +143,9 @@ def run_row(name: str, settings: tuple[str, ...], args, trace, docs) -> dict:
     typing = summarize(samples, args.deadline_ms) | {"warm_up": warm.outcome}
     for k in ("finished_sites", "ttft_sites", "line_sites"):
         typing.pop(k)
+    reasons = Counter((o["prefill"], str(o["prefill_reason"])) for o in opens)
     return {"settings": list(settings), "typing": typing, "slowest": slowest(samples),
+            "open_prefill": {f"{where}/{why}": n for (where, why), n in reasons.items()},
             "opens": opens, "open_count": len(opens),
             "open_ttft_ms": sorted(o["client_ttft_ms"] for o in opens),
             "server_log_suspicious": suspicious, "loadavg_before_after": [load_before, os.getloadavg()]}

@@ -91,7 +91,7 @@ AROUND_FAULT_S = 10.0  # a fault's window: requests sent this long before it to 
 # With --disagg: one local prefill worker (its own small KV pool), and prompts past 256 uncached tokens sent to
 # it whatever the estimates say (the embedded model's window is 1,024 tokens), so the link is used all along.
 DISAGG_SETTINGS = ("disagg.enabled=true", "disagg.workers=1", "disagg.threshold_tokens=256",
-                   "disagg.remote_slack=100", "disagg.worker_kv_mb=64")
+                   "disagg.remote_slack=100", "disagg.worker_kv_mb=64", "disagg.use_shared_cores=true")
 
 
 def kv_plan(kv_mb: float) -> KvPlan:

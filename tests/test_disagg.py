@@ -613,3 +613,30 @@ def test_the_links_store_admits_only_its_worker_on_the_links_address_and_bounds_
     finally:
         remote.close()
     assert ("127.0.0.1", port) not in listening_addresses()  # closed with its link
+
+
+def test_a_worker_on_the_engines_cores_is_not_used_while_the_engine_makes_way_for_keystrokes(target, worker):
+    from completer.disagg.decision import shares_cores
+
+    assert shares_cores([], [1]) and shares_cores([0], []) and shares_cores([0, 1], [1])
+    assert not shares_cores([0], [1])
+    assert route(6000, pool=PoolState(0, 0, sharing_cores=1))[:2] == (False, "shared_cores")
+    assert route(6000, pool=PoolState(1, 0, sharing_cores=1)).remote  # one of its own is used
+    pipeline = CompletionPipeline(target, CONFIG)
+
+    async def main(local_yields: bool):
+        cfg, e = target.model.config, CONFIG.engine
+        shape = model_shape(target.name, cfg, target.precision, e.block_size, e.prefill_chunk)
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+        remote = RemotePrefill([worker.address], shape, TOKEN, CONFIG.disagg, kv_bytes, [worker.resolve],
+                               shared=[True], local_yields=local_yields)
+        remote.start(wait_s=2.0)
+        engine = engine_with(target, remote)
+        engine.start()
+        try:
+            return await complete(engine, pipeline, "s", documents(1, seed=3)[0])
+        finally:
+            engine.stop()
+
+    assert asyncio.run(main(True)).timings.prefill_reason == "shared_cores"
+    assert asyncio.run(main(False)).timings.prefill == "remote"

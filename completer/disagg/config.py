@@ -19,6 +19,10 @@ class DisaggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer_group: int = 6  # layers whose K/V are sent together (transfer overlaps the next layers)
     engine_cpus: list[int] = []  # CPUs the serving process runs on ([] = any)
     worker_cpus: list[list[int]] = []  # CPUs of each local worker ([] = any)
+    # A local worker on the engine's CPUs (either unpinned, or pinned to a common one) is not sent
+    # prompts while the engine makes way for keystrokes itself (engine.interactive_first): the OS
+    # shares the cores without that rule (decision.py, `shared_cores`). true: send them anyway.
+    use_shared_cores: bool = False
     worker_threads: int = 0  # torch threads of a local worker (0 = as many as its CPUs)
     worker_kv_mb: float = 512.0  # a worker's own KV pool (its prefix cache)
     timeout_s: float = 3.0  # a worker silent this long (no heartbeat, a send that does not come) is down

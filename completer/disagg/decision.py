@@ -7,13 +7,21 @@ time is within `remote_slack` of the local estimate. Local prefill runs in
 chunks between the decode passes of every other running sequence, so its
 estimate counts those passes; remote prefill leaves them alone, which is
 worth some extra time (the slack).
+
+With the machine in view: when the engine puts keystrokes before bulk work
+(`engine.interactive_first`), a long prompt prefilled here stops between
+layers for every keystroke, while a worker on the engine's own cores takes
+them away from its keystrokes with no such yield (the operating system
+shares the cores, not our scheduler). Such a worker (a local one without
+CPUs of its own: `disagg.engine_cpus` and `disagg.worker_cpus` unset or
+overlapping) is then not used: `shared_cores`.
 """
 
 from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-Reason = Literal["short", "no_worker", "queue_full", "local_faster", "long"]
+Reason = Literal["short", "no_worker", "shared_cores", "queue_full", "local_faster", "long"]
 
 
 class Estimates(NamedTuple):
@@ -26,8 +34,9 @@ class Estimates(NamedTuple):
 
 
 class PoolState(NamedTuple):
-    workers_up: int
-    least_queued_tokens: int  # prompt tokens queued at the least loaded worker that is up
+    workers_up: int  # that may be used (with cores of their own, where that matters)
+    least_queued_tokens: int  # prompt tokens queued at the least loaded of them
+    sharing_cores: int = 0  # workers up but not used: they would take the engine's cores
 
 
 class Decision(NamedTuple):
@@ -35,6 +44,11 @@ class Decision(NamedTuple):
     reason: Reason
     local_s: float = 0.0
     remote_s: float = 0.0
+
+
+def shares_cores(engine_cpus: list[int], worker_cpus: list[int]) -> bool:
+    """Whether a local worker computes on the engine's CPUs (either unpinned, or pinned to a common one)."""
+    return not engine_cpus or not worker_cpus or bool(set(engine_cpus) & set(worker_cpus))
 
 
 def local_prefill_s(uncached: int, chunk: int, est: Estimates) -> float:
@@ -53,7 +67,7 @@ def decide(uncached: int, threshold: int, max_queue_tokens: int, slack: float, c
     if uncached <= threshold:
         return Decision(False, "short")
     if pool.workers_up == 0:
-        return Decision(False, "no_worker")
+        return Decision(False, "shared_cores" if pool.sharing_cores else "no_worker")
     if pool.least_queued_tokens + uncached > max_queue_tokens:
         return Decision(False, "queue_full")
     local, remote = local_prefill_s(uncached, chunk, est), remote_prefill_s(uncached, pool, est)

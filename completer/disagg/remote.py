@@ -71,8 +71,10 @@ class TransferJob:
 class WorkerLink:
     """One worker: its connection, its open jobs, its health."""
 
-    def __init__(self, address: str, remote: "RemotePrefill", resolve: Callable[[], str] | None = None):
+    def __init__(self, address: str, remote: "RemotePrefill", resolve: Callable[[], str] | None = None,
+                 shares_cores: bool = False):
         self.address = address
+        self.shares_cores = shares_cores  # a local worker on the engine's cores (`decision`: shared_cores)
         self.resolve = resolve  # a local worker: (re)start it if it exited; its current address
         self.remote = remote
         self.lock = threading.Lock()
@@ -223,13 +225,17 @@ class RemotePrefill:
 
     def __init__(self, addresses: list[str], shape: ModelShape, token: str, config: DisaggConfig,
                  kv_bytes_per_token: int, resolvers: list[Callable[[], str] | None] | None = None,
-                 device: str = "cpu"):
-        """device: the target's (its K/V pool's): gloo between CPU pools, NCCL between GPU ones."""
+                 device: str = "cpu", shared: list[bool] | None = None, local_yields: bool = False):
+        """device: the target's (its K/V pool's): gloo between CPU pools, NCCL between GPU ones.
+        shared: per address, a worker on the engine's cores; local_yields: the engine's own
+        prefill makes way for keystrokes (`engine.interactive_first`), so such workers are not used."""
+        self.local_yields = local_yields
         self.shape, self.token, self.config = shape, token, config
         self.device = torch.device(device)
         self.kv_bytes_per_token = kv_bytes_per_token
         resolvers = resolvers or [None] * len(addresses)
-        self.links = [WorkerLink(a, self, r) for a, r in zip(addresses, resolvers)]
+        shared = shared or [False] * len(addresses)
+        self.links = [WorkerLink(a, self, r, s) for a, r, s in zip(addresses, resolvers, shared)]
         self.events: queue.SimpleQueue[Closed] = queue.SimpleQueue()
         self.wake: Callable[[], None] = lambda: None  # the engine's loop, told there is something to poll
         self.pool: KVPool | None = None
@@ -273,10 +279,14 @@ class RemotePrefill:
 
     # -- the engine's calls ---------------------------------------------------
 
+    def usable(self, link: WorkerLink) -> bool:
+        return link.up and not (self.local_yields and link.shares_cores)
+
     def choose(self, uncached: int, chunk: int, decode_pass_s: float, local_queued_tokens: int) -> Decision:
-        up = [link for link in self.links if link.up]
+        up = [link for link in self.links if self.usable(link)]
         least = min(up, key=lambda link: link.queued_tokens, default=None)
-        pool = PoolState(len(up), least.queued_tokens if least else 0)
+        sharing = sum(link.up for link in self.links) - len(up)
+        pool = PoolState(len(up), least.queued_tokens if least else 0, sharing)
         est = Estimates(self.local_tokens_s, least.tokens_s if least else PRIOR_TOKENS_S, self.link_bytes_s,
                         self.kv_bytes_per_token, decode_pass_s, local_queued_tokens)
         c = self.config
@@ -284,7 +294,7 @@ class RemotePrefill:
 
     def start_job(self, tokens: list[int], have: int, table: list[int], salt: str) -> int | None:
         """Send a job to the least loaded worker; its id, or None when no worker is up."""
-        for link in sorted((lk for lk in self.links if lk.up), key=lambda lk: lk.queued_tokens):
+        for link in sorted(filter(self.usable, self.links), key=lambda lk: lk.queued_tokens):
             job = TransferJob(self.next_job, tokens, have, table, salt)
             self.next_job += 1
             self.job_link[job.id] = link

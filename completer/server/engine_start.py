@@ -57,15 +57,20 @@ class EngineStart:
 
     def connect_workers(self, addresses: list[str]):
         """The decode side of disaggregation, its links up (or retrying)."""
+        from completer.disagg.decision import shares_cores
         from completer.disagg.remote import RemotePrefill
         from completer.disagg.worker import model_shape
 
         cfg, e = self.target.model.config, self.config.engine
         shape = model_shape(self.target.name, cfg, self.target.precision, e.block_size, e.prefill_chunk)
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-        resolvers = [w.resolve for w in self.local_workers] + [None] * len(self.config.disagg.remote_workers)
-        remote = RemotePrefill(addresses, shape, self.token, self.config.disagg, kv_bytes, resolvers,
-                               self.target.device)
+        d = self.config.disagg
+        resolvers = [w.resolve for w in self.local_workers] + [None] * len(d.remote_workers)
+        on_cpu = str(self.target.device).startswith("cpu")  # (a GPU engine's workers share no cores with it)
+        shared = [on_cpu and shares_cores(d.engine_cpus, d.worker_cpus[i] if i < len(d.worker_cpus) else [])
+                  for i in range(len(self.local_workers))] + [False] * len(d.remote_workers)
+        remote = RemotePrefill(addresses, shape, self.token, d, kv_bytes, resolvers, self.target.device,
+                               shared, e.interactive_first and not d.use_shared_cores)
         remote.start(wait_s=self.config.disagg.timeout_s)
         return remote
 
