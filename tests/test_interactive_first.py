@@ -166,3 +166,17 @@ def test_the_drafter_makes_no_catch_up_pass_over_a_bulk_prompt_and_the_ngram_pro
         done.update({e.id: e for e in core.step(StepLoop()) if isinstance(e, Finished)})
     assert done["bulk"].reason == "length" and bulk.kv["draft"].computed == 0
     assert core.kv.pools["draft"].usage() == 0
+
+
+def test_a_keystroke_after_the_prime_of_its_position_lets_the_primes_pass_finish_and_reuses_it(models, tokenizer):
+    core = make_core(models, tokenizer, draft=None, config=BULK)
+    prompt = long_prompt(200)
+    core.add(Request("prime", prompt, SamplingParams(max_tokens=0)))
+    keystroke = Request("key", prompt + [7, 8], free_mode(4))
+    core.step(ArrivingLoop(2, keystroke))
+    assert ("target", "prime") not in core.paused  # its pass went on: it is the keystroke's prefill
+    core.add(keystroke)
+    done = {}
+    while core.has_work:
+        done.update({e.id: e for e in core.step(StepLoop()) if isinstance(e, Finished)})
+    assert done["key"].timings.cached_tokens >= 200 - 4  # the prime's blocks (whole blocks of 4)

@@ -108,7 +108,7 @@ class EngineCore:
         # Bulk passes stopped between layers, by (pool, sequence): (first position, tokens) and the pass.
         self.paused: dict[tuple[str, str], tuple[tuple[int, int], Pass]] = {}
         self.bulk_slice_until: float | None = None  # the running bulk pass's end, when it runs a starved slice
-        self.bulk_running: Sequence | None = None  # whose bulk pass runs now
+        self.bulk_running: tuple[Sequence, int] | None = None  # whose bulk pass runs now, up to where
         self.uncached: dict[str, int] = {}  # arrivals' prompt tokens not in the prefix cache, estimated once
         # CPU threads per phase (torch's setting is per calling thread; switching costs ~0.1 us).
         self.prefill_threads = config.threads or torch.get_num_threads()
@@ -237,14 +237,19 @@ class EngineCore:
             self.output.fail(seq, "internal", why)
             self._drop(seq)
 
-    def goes_first(self, request: Request, bulk: Sequence) -> bool:
-        """Whether a request coming in goes before a running bulk pass: it is
-        interactive work, or bulk work with less left (its uncached prompt
-        estimated from the target's prefix cache, no reference taken)."""
+    def goes_first(self, request: Request, bulk: Sequence, end: int) -> bool:
+        """Whether a request coming in goes before a running bulk pass (which
+        computes `bulk`'s prompt up to `end`): it is interactive work, or bulk
+        work with less left (its uncached prompt estimated from the target's
+        prefix cache, no reference taken); unless its prompt starts with what
+        the pass computes (a keystroke after the prime of its position), since
+        then the pass is its own prefill."""
         if (uncached := self.uncached.get(request.id)) is None:
             cached = self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)
             uncached = self.uncached[request.id] = len(request.prompt) - cached
-        return not self.scheduler.is_bulk(uncached, request.params.priming) or uncached < bulk.prefill_left
+        first = not self.scheduler.is_bulk(uncached, request.params.priming) or uncached < bulk.prefill_left
+        return first and not (request.cache_salt == bulk.cache_salt and len(request.prompt) > end
+                              and request.prompt[:end] == bulk.tokens[:end])
 
     def _step(self) -> list[Event]:
         self.take_closed_jobs()
@@ -307,7 +312,7 @@ class EngineCore:
         else:  # (a stale one belonged to a chunk planned otherwise: its blocks are the sequence's)
             self.kv.allocate(role, [seq], [row])
             run = self.runners[role].start([seq.kv[role]], [row], last=last)
-        self.bulk_running = seq
+        self.bulk_running = seq, seq.kv[role].computed + len(row)
         try:
             logits = run.run(self._bulk_pause)
         finally:
@@ -326,7 +331,7 @@ class EngineCore:
         since the next keystroke's prompt reuses its K/V.)"""
         if self.bulk_slice_until is not None:
             return time.perf_counter() > self.bulk_slice_until
-        return self.loop is not None and any(self.goes_first(r, self.bulk_running) for r in self.loop.arrivals())
+        return self.loop is not None and any(self.goes_first(r, *self.bulk_running) for r in self.loop.arrivals())
 
     def _heals_in_prefill(self, seq: Sequence, role: str, n: int) -> bool:
         """Whether this chunk ends the prompt and the backed-off token rides
