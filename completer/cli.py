@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from completer.cluster import ray_start
 from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
@@ -169,6 +170,17 @@ def serve_token(args: argparse.Namespace, config: Config) -> tuple[str, str]:
     return security.load_or_create_token(path), str(path)
 
 
+def check_cluster_join(address: str) -> None:
+    """A front door joins only a cluster that demands Ray's token, with this
+    machine's copy of it: refused in one line before anything loads."""
+    from completer.cluster.ray_security import ClusterSecurityError, check_join
+
+    try:
+        check_join(address)
+    except (ClusterSecurityError, ConnectionError) as e:
+        raise SystemExit(f"error: cluster.address = {address!r}: {e}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from completer.checkpoint import CheckpointError
     from completer.config import ConfigError
@@ -182,6 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "host": "server.host", "port": "server.port", "precision": "model.precision", "model": "model.target",
         "cluster": "cluster.enabled"}))
     progress = StartupProgress()  # one display: a first start's download, then the load, until `ready`
+    if config.cluster.enabled and config.cluster.address:
+        check_cluster_join(config.cluster.address)
     try:
         if config.model.target == "default":
             pull(progress=progress)
@@ -330,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_evaluate)
 
+    ray_start.add_parser(sub)
     train_cli.add_parser(sub)
     return parser
 

@@ -199,9 +199,10 @@ async def test_cancel_ends_the_request_on_its_replica(cluster):
 
 
 async def test_a_killed_replica_loses_no_request_and_is_replaced(cluster):
-    from completer.cluster.deploy import use_token_if_present
+    from completer.cluster.ray_security import secure_join
 
-    use_token_if_present()  # before Ray is imported: the front door's cluster asks for its token
+    # Before Ray is imported: the front door's cluster asks for its token, and is on loopback.
+    address = secure_join(ray_address(cluster))
     import ray
 
     before = set(replica_figures(cluster))
@@ -219,7 +220,7 @@ async def test_a_killed_replica_loses_no_request_and_is_replaced(cluster):
             return during, after
 
     killed = asyncio.Event()
-    ray.init(address=ray_address(cluster), namespace="serve", log_to_driver=False)
+    ray.init(address=address, namespace="serve", log_to_driver=False)
     try:
         tasks = [asyncio.create_task(stream_then_type(f"file:///kill{i}.py", p))
                  for i, p in enumerate(list(DOCS.values()) * 2)]

@@ -12,8 +12,8 @@ from completer.engine.config import ConfigProblem
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enabled: bool = False  # `completer serve --cluster`: the engine runs as Ray Serve replicas
-    # "" starts a Ray cluster in this process (one machine); "auto" joins the one `ray start` made
-    # here; "HOST:6379" joins a head elsewhere.
+    # "" starts a Ray cluster in this process (one machine); "auto" joins the one `completer cluster
+    # head|join` started here; "HOST:6379" joins a head elsewhere (with its token: ray_security.py).
     address: str = ""
     app: str = "completer"  # the Serve application's name (front doors of one app share its replicas)
     deploy: bool = True  # false: attach to the app another front door deployed (start no replicas)

@@ -3,11 +3,9 @@ Serve application deployed with the affinity router, and a handle to it."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import msgspec
 
+from completer.cluster import ray_security
 from completer.config import Config
 
 DEPLOYMENT = "engine"
@@ -44,16 +42,6 @@ def deployment_options(config: Config) -> dict:
     return options
 
 
-def use_token_if_present() -> None:
-    """Joining a cluster: Ray (2.60) starts local clusters with token auth and
-    keeps the token in ~/.ray/auth_token, but a process joining one uses it
-    only with RAY_AUTH_MODE=token, read when Ray is imported; set that when
-    the file is there and the mode is not set (a head elsewhere: copy its
-    token to that path, or set RAY_AUTH_TOKEN)."""
-    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
-        os.environ["RAY_AUTH_MODE"] = "token"
-
-
 class Cluster:
     """The Ray connection and the deployment's handle; `stop()` undoes what `start()` began."""
 
@@ -65,21 +53,27 @@ class Cluster:
 
     def start(self):
         """Blocking (minutes when replicas load models): call it off the event loop."""
-        if self.config.cluster.address:
-            use_token_if_present()  # before Ray reads its config
+        c = self.config.cluster
+        # Before Ray is imported: it reads its auth mode and loopback switch then (ray_security.py).
+        if c.address:  # refused unless the cluster demands a token and this machine has it
+            address = ray_security.secure_join(c.address)
+        else:
+            temp_dir = ray_security.secure_local_cluster()
         import ray
         from ray import serve
 
         from completer.cluster.replica import EngineReplica
 
-        c = self.config.cluster
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
             if c.address:
-                ray.init(address=c.address, **kwargs)
-            else:  # one machine: a cluster of its own (never one `ray start` left here), a small object store
-                ray.init(address="local", object_store_memory=256 * 2**20, **kwargs)
+                ray.init(address=address, **kwargs)
+            else:  # one machine: a cluster of its own (never one `ray start` left here), a small object store,
+                # every port on loopback, its files in our private folder
+                ray.init(address="local", object_store_memory=256 * 2**20, _node_ip_address="127.0.0.1",
+                         _temp_dir=str(temp_dir), **kwargs)
                 self.started_ray = True
+                ray_security.check_private(temp_dir.parent)
         if c.deploy:
             serve.start(proxy_location="Disabled")
             app = serve.deployment(EngineReplica, **deployment_options(self.config)).bind(

@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import msgspec
 
+from completer.cluster.ray_security import keep_replica_grpc_on_loopback
 from completer.cluster.routing import Hop
 from completer.config import Config
 from completer.engine.engine import Engine, run_in_passing_thread
@@ -25,6 +26,7 @@ class EngineReplica:
     async def __init__(self, config_json: bytes):
         import torch
 
+        keep_replica_grpc_on_loopback()
         config = msgspec.json.decode(config_json, type=Config)
         torch.set_num_threads(max(1, int(config.cluster.cpus_per_replica)))
         m = config.model
