@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from nvim_harness import Editor, free_port, keys, metric, nvim_build, nvim_builds, server_on, wait_until
+from latency_bench.nvim_editor import Editor, free_port, keys, metric, nvim_build, nvim_builds, server_on, wait_until
 from latency_bench.harness import ROOT, TOKEN
 
 # Skipped without Neovim on a developer's machine; in CI (CI=true) a missing nvim fails.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nvim_harness import wait_until
+from latency_bench.nvim_editor import wait_until
 from test_neovim import build, capture, editor, keys, sent, server, settle, setup, uri_of  # noqa: F401
 
 PYLSP = shutil.which("pylsp") or str(Path(sys.executable).parent / "pylsp")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nvim_harness import free_port, keys, server_on, wait_until
+from latency_bench.nvim_editor import free_port, keys, server_on, wait_until
 from latency_bench.harness import ROOT, TOKEN
 from test_neovim import (SETTINGS, build, capture, editor, expand, idle, lua_current, no_errors,  # noqa: F401
                          pytestmark, sent, server, settle, setup, start_typing, status, type_until_completion)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nvim_harness import Editor, keys, nvim_build, wait_until
+from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.keystrokes import corpus_files
 

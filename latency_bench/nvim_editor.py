@@ -1,6 +1,7 @@
 """Drive a real headless Neovim with the plugin in editor_clients/neovim over
 pynvim (msgpack-RPC on a socket), and start `completer serve` on a chosen port
-(the reconnect test needs the same port twice)."""
+(the reconnect test needs the same port twice). The plugin's tests and the
+Neovim benchmark (`neovim_jump.py`) share it; pynvim comes with `.[test]`."""
 
 from __future__ import annotations
 
