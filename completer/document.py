@@ -33,6 +33,19 @@ def common_prefix_length(a: str, b: str) -> int:
     return lo
 
 
+def outside_window(snippets: list[Snippet], path: str, prefix: str, suffix: str, budget: int,
+                   suffix_budget: int | None = None) -> list[Snippet]:
+    """The snippets but those of this document whose text is around the
+    cursor, within what the prompt's window holds (its prefix at most
+    `budget` tokens, its suffix `suffix_budget`, code ~3 chars a token): the
+    window shows that text already, and a client's snippets of the code it
+    just edited change with every edit and jump, so the context block, which
+    the prompt starts with, would change with them (recomputing the whole
+    prompt) to add nothing."""
+    around = prefix[-3 * budget:] + suffix[: 3 * (budget if suffix_budget is None else suffix_budget)]
+    return [s for s in snippets if not (s.uri == path and s.text in around)]
+
+
 class DocumentPrompt:
     def __init__(self, builder: PromptBuilder, retrieval: bool = False, windows: WindowCache | None = None):
         self.builder = builder
@@ -61,6 +74,8 @@ class DocumentPrompt:
                snippets: list[Snippet] | None = None) -> Prompt:
         b = self.builder
         self.retokenized_chars = 0
+        if snippets and path is not None:
+            snippets = outside_window(snippets, path, prefix, suffix, b.budget, b.suffix_budget)
         if self.retriever is not None and snippets:
             snippets = self.retriever.select(prefix, snippets)
         key = (path, tuple((s.uri, s.text) for s in snippets or ()))

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from completer.document import DocumentPrompt, common_prefix_length
-from completer.prompt import PromptBuilder, get_template
+from completer.document import DocumentPrompt, common_prefix_length, outside_window
+from completer.prompt import PromptBuilder, Snippet, get_template
 from completer.tokenizer import train_bpe
 from completer.training.corpus import read_python_files, stdlib_root
 
@@ -82,3 +82,24 @@ def test_edit_before_the_window_and_suffix_change(tok, source):
         assert tok.decode(prompt.tokens).endswith(window)
         assert len(prompt.tokens) <= 256
         assert prompt.window.suffix_end == want.window.suffix_end
+
+
+def test_a_jump_with_a_new_snippet_of_the_code_around_it_keeps_the_context_block(tok, source):
+    """An editor sends a snippet of the code it just edited with every request
+    (llama.vim's ring, our plugins' "edit" items); that code is in the
+    window already, and the context block, which the prompt starts with,
+    stays as it was. A snippet of this file beyond the window's reach, and
+    other files', are kept."""
+    body = "".join(f.text for f in source)[:60_000]
+    cut = body.rfind("\n", 0, 30_000) + 1
+    lines = body[:cut].split("\n")
+    other = Snippet("pkg/other.py", "\n".join(lines[-6:-1]), "open")  # names the cursor's code shares: placed
+    doc = DocumentPrompt(PromptBuilder(tok, get_template("default"), budget=2048), retrieval=True)
+    doc.update(body[:cut], body[cut:], "pkg/mod.py", [other])
+    before = doc.context_key
+    near = body.rfind("\n", 0, cut - 400) + 1  # a jump a few lines up, the lines edited there sent back
+    edit = Snippet("pkg/mod.py", body[near - 300: near + 300], "edit")
+    doc.update(body[:near], body[near:], "pkg/mod.py", [edit, other])
+    assert doc.context_key == before and before[1] != ()
+    far = Snippet("pkg/mod.py", body[1_000:1_600], "edit")  # 28 KB away: beyond any window
+    assert outside_window([edit, far, other], "pkg/mod.py", body[:near], body[near:], 2048) == [far, other]
