@@ -78,6 +78,9 @@ def link():
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "link", "set", dev, "up")
+        # Each one's default route over the link, as a machine has one: Ray picks its address from it.
+        ip("-n", net.a, "route", "add", "default", "via", net.B_IP)
+        ip("-n", net.b, "route", "add", "default", "via", net.A_IP)
         yield net
     finally:
         for ns in (net.a, net.b):
