@@ -173,7 +173,8 @@ def serve_token(args: argparse.Namespace, config: Config) -> tuple[str, str]:
 def check_cluster_join(address: str) -> None:
     """A front door joins only a cluster that demands Ray's token, with this
     machine's copy of it: refused in one line before anything loads."""
-    from completer.cluster.ray_security import ClusterSecurityError, check_join
+    from completer.cluster.ray_join import check_join
+    from completer.cluster.ray_security import ClusterSecurityError
 
     try:
         check_join(address)

@@ -199,7 +199,7 @@ async def test_cancel_ends_the_request_on_its_replica(cluster):
 
 
 async def test_a_killed_replica_loses_no_request_and_is_replaced(cluster):
-    from completer.cluster.ray_security import secure_join
+    from completer.cluster.ray_join import secure_join
 
     # Before Ray is imported: the front door's cluster asks for its token, and is on loopback.
     address = secure_join(ray_address(cluster))

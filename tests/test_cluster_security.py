@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from completer.cluster import ray_security as rs
+from completer.cluster import ray_join, ray_security as rs
 from latency_bench.harness import CLUSTER, ROOT, running_server
 from ray_hosts import (PY, Host, check_private_from_nobody, end_session, fake_gcs, host_of, listening, node_argv,
                        on_loopback, probe, session_members, session_of, start_node)
@@ -90,7 +90,7 @@ def link():
 # -- the docs ------------------------------------------------------------------------------
 
 
-def tested_block() -> str:
+def several_machines_block() -> str:
     found = TESTED_BLOCK.search(DOC.read_text())
     assert found, "docs/cluster.md: no <!-- cluster-test: several machines --> block"
     return found.group(1)
@@ -98,7 +98,7 @@ def tested_block() -> str:
 
 def documented_node_starts() -> list[list[str]]:
     """The block's commands that start a Ray node: the head's, then the other machines'."""
-    return [w for w in commands(tested_block()) if w[:2] in (["completer", "cluster"], ["ray", "start"])]
+    return [w for w in commands(several_machines_block()) if w[:2] in (["completer", "cluster"], ["ray", "start"])]
 
 
 def documented_ports() -> tuple[set[int], bool]:
@@ -130,7 +130,7 @@ def test_the_docs_start_ray_nodes_only_through_completer_cluster_and_their_comma
                 assert parse_with_our_parsers(words) is None, f"{doc.name}: {' '.join(words)}"
     starts = documented_node_starts()
     assert [w[:3] for w in starts] == [["completer", "cluster", "head"], ["completer", "cluster", "join"]], starts
-    joined = [w for w in commands(tested_block()) if w[:2] == ["completer", "serve"]]
+    joined = [w for w in commands(several_machines_block()) if w[:2] == ["completer", "serve"]]
     assert joined and all("cluster.address=HEAD_IP:6379" in w for w in joined), joined
     ports, ephemeral = documented_ports()
     assert {6379, 52365, 10001} <= ports and ephemeral, ports
@@ -221,7 +221,7 @@ def test_a_one_machine_cluster_keeps_its_token_and_files_from_other_users_and_ev
         assert one.token.read_text().strip() and stat.S_IMODE(one.private.stat().st_mode) == 0o700
         with grpc.insecure_channel(gcs) as channel:  # another local user, no token: refused
             with pytest.raises(grpc.RpcError) as refused:
-                channel.unary_unary(rs.GCS_PROBE)(b"", timeout=10)
+                channel.unary_unary(ray_join.GCS_PROBE)(b"", timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -246,13 +246,13 @@ def test_a_front_door_joins_only_a_cluster_that_demands_the_token_and_only_with_
         door.token.parent.mkdir()
         door.token.write_text("f" * 64)
         door.token.chmod(0o644)
-        assert "run: chmod 600" in serve_joining(door, guarded_address)
+        assert f"remove it (rm {door.token}" in serve_joining(door, guarded_address)
         door.token.chmod(0o600)
         assert "RAY_AUTH_MODE=disabled: refusing" in serve_joining(door, guarded_address, RAY_AUTH_MODE="disabled")
         assert "answers without a token" in serve_joining(door, open_address)
         for key, value in door.env().items():
             monkeypatch.setenv(key, value)
-        token, address = rs.check_join(guarded_address)  # what a front door then goes on with
+        token, address = ray_join.check_join(guarded_address)  # what a front door then goes on with
         assert (token.path, address) == (door.token, guarded_address)
     finally:
         open_gcs.stop(None)
@@ -268,7 +268,7 @@ def test_rays_token_file_is_made_private_and_one_others_could_read_or_swap_is_re
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert re.fullmatch(r"[0-9a-f]{64}", path.read_text())  # Ray's own form
     assert rs.find_token(create=True).path == path and len(set(path.parent.iterdir())) == 1  # kept, no leftovers
-    refusals = {"group or others may read": lambda: path.chmod(0o644),
+    refusals = {"others may read .* remove it": lambda: path.chmod(0o644),
                 "not by you": lambda: (path.chmod(0o600), os.chown(path, 65534, 65534)),
                 "symbolic link": lambda: (path.unlink(), (tmp_path / "elsewhere").write_text("f" * 64),
                                           path.symlink_to(tmp_path / "elsewhere")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from completer.cluster import ray_security
+from completer.cluster import ray_join, ray_security
 from completer.config import Config
 
 DEPLOYMENT = "engine"
@@ -56,7 +56,7 @@ class Cluster:
         c = self.config.cluster
         # Before Ray is imported: it reads its auth mode and loopback switch then (ray_security.py).
         if c.address:  # refused unless the cluster demands a token and this machine has it
-            address = ray_security.secure_join(c.address)
+            address = ray_join.secure_join(c.address)
         else:
             temp_dir = ray_security.secure_local_cluster()
         import ray

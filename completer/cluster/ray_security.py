@@ -48,7 +48,6 @@ LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # and go on without it (dashboard/head.py, autoscaler monitor.py).
 METRICS_OFF = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "-1",
                "AUTOSCALER_METRIC_PORT": "-1"}
-GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # answers anyone when tokens are off
 
 
 class ClusterSecurityError(ValueError):
@@ -110,6 +109,7 @@ def find_token(create: bool) -> RayToken:
         return RayToken(None)
     path = token_path()
     _check_folder_of(path)
+    _refuse_if_others_could_read(path)
     try:
         if found := read_token_file(path):
             check_token(found, str(path))
@@ -124,6 +124,21 @@ def find_token(create: bool) -> RayToken:
     return RayToken(path)
 
 
+def _refuse_if_others_could_read(path: Path) -> None:
+    """As read_token_file refuses it, but saying that a token others could
+    read is spent (Ray 2.60 writes ~/.ray/auth_token with the umask's mode,
+    and `completer serve --cluster` let it until issue #43)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        raise ClusterSecurityError(
+            f"{path}: group or others may read or write Ray's token file (mode {stat.S_IMODE(st.st_mode):o}), "
+            f"so they may hold the token: remove it (rm {path}; the next head or one-machine start makes a new "
+            f"one, mode 600) and give the new one to the other machines")
+
+
 def _write_new_token(path: Path) -> None:
     """A new token in the form Ray makes (64 hex digits, no newline), written
     whole into a private file beside `path` and linked into place, so nothing
@@ -136,7 +151,7 @@ def _write_new_token(path: Path) -> None:
         try:
             os.link(partial, path)
         except FileExistsError:
-            if path.stat().st_size == 0:  # an empty file counts as none: replace it
+            if path.lstat().st_size == 0:  # an empty file counts as none: replace it
                 os.replace(partial, path)
     finally:
         if os.path.lexists(partial):
@@ -191,54 +206,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """HOST:PORT (an IPv6 host in brackets) as its parts; one line if it is not one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ClusterSecurityError(f"{address!r}: expected HOST:PORT (the head's address and Ray port, e.g. "
-                                   f"10.0.0.1:6379)")
-    return host.strip("[]"), int(port)
-
-
-def resolve_address(address: str) -> str:
-    """"auto": the cluster that `completer cluster head|join` started on this
-    machine (Ray records it in its temp dir); else `address` itself."""
-    if address != "auto":
-        split_address(address)
-        return address
-    recorded = ray_temp_dir() / "ray_current_cluster"
-    try:
-        return recorded.read_text().strip()
-    except FileNotFoundError:
-        raise ClusterSecurityError(f"cluster.address = 'auto': no Ray cluster started on this machine by "
-                                   f"`completer cluster head` or `join` ({recorded} is missing)") from None
-
-
-def answers_without_token(address: str, timeout_s: float = 10.0) -> bool:
-    """Whether the GCS at `address` answers a request that carries no token:
-    true for a cluster started without token authentication (a bare `ray
-    start`). One it cannot reach raises ConnectionError."""
-    import grpc  # Ray's dependency: imported only where a cluster is joined
-
-    with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(GCS_PROBE)  # bytes in and out: an empty request is a valid one
-        try:
-            call(b"", timeout=timeout_s)
-            return True
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                return False
-            raise ConnectionError(f"cannot reach the Ray cluster at {address} ({e.code().name})") from None
-
-
-def refuse_open_cluster(address: str) -> None:
-    if answers_without_token(address):
-        raise ClusterSecurityError(
-            f"the Ray cluster at {address} answers without a token (started without token authentication, "
-            f"as a bare `ray start` does): anyone who reaches it can run code on its machines; refusing to join. "
-            f"Start it with `completer cluster head` (docs/cluster.md)")
-
-
 def secure_local_cluster() -> Path:
     """Before `ray.init(address="local")`: token authentication on with a
     private token, every port on loopback. Returns Ray's temp dir (private)."""
@@ -247,26 +214,6 @@ def secure_local_cluster() -> Path:
     temp = ray_temp_dir()
     os.environ.update(token.environment() | LOOPBACK_ONLY)  # read by Ray at import: set before it
     return temp
-
-
-def check_join(address: str) -> tuple[RayToken, str]:
-    """What joining the cluster at `address` needs: token authentication not
-    turned off here, this machine's copy of the token, and a cluster that
-    refuses requests without one. Returns the token and the address ("auto"
-    resolved). Changes nothing (the start checks it before the model loads)."""
-    check_auth_mode()
-    token = find_token(create=False)
-    resolved = resolve_address(address)
-    refuse_open_cluster(resolved)
-    return token, resolved
-
-
-def secure_join(address: str) -> str:
-    """check_join, then the environment Ray reads at import for it; the address to join."""
-    token, resolved = check_join(address)
-    host, _ = split_address(resolved)
-    os.environ.update(token.environment() | (LOOPBACK_ONLY if is_loopback(host) else {}))
-    return resolved
 
 
 def keep_replica_grpc_on_loopback() -> None:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from completer.cluster import ray_security as rs
+from completer.cluster import ray_join, ray_security as rs
 
 RAY_PORT = 6379  # Ray's default GCS port
 
@@ -69,13 +69,13 @@ def head_start(node_ip: str, port: int, num_cpus: float | None = None,
 def join_start(address: str, node_ip: str | None = None, num_cpus: float | None = None,
                num_gpus: float | None = None) -> tuple[NodeStart, rs.RayToken]:
     """Another machine: only with the head's token, and only to a head that demands it."""
-    host, _ = rs.split_address(address)
+    host, _ = ray_join.split_address(address)
     if rs.is_loopback(host):
         raise rs.ClusterSecurityError(f"{address}: a head on loopback takes no other machine; start the head "
                                       f"with --node-ip-address set to an address this machine reaches")
     if node_ip is not None:
         check_node_ip(node_ip)
-    token, _ = rs.check_join(address)
+    token, _ = ray_join.check_join(address)
     argv = ray_start("--address", address, "--temp-dir", str(rs.ray_temp_dir()), *resources(num_cpus, num_gpus))
     if node_ip is not None:
         argv += ["--node-ip-address", node_ip]
@@ -112,15 +112,19 @@ def cmd_head(args: argparse.Namespace) -> int:
     except rs.ClusterSecurityError as e:
         raise SystemExit(f"error: {e}") from None
     address = f"{args.node_ip_address}:{args.port}"
+    loopback = rs.LOOPBACK_ONLY if rs.is_loopback(args.node_ip_address) else {}
     print(f"Ray head at {address}: token authentication on, token in {token.describe()} (mode 600, never "
           f"printed); Ray's files in {rs.private_dir()} (mode 700)")
-    if rs.is_loopback(args.node_ip_address):
+    if loopback:
         print("on loopback: this machine alone (front doors: --set cluster.address=auto); for other machines, "
               "start the head with --node-ip-address ADDRESS")
     else:
         print(f"each other machine: {copy_hint(token, args.node_ip_address)}; then: completer cluster join {address}")
     print(f"front doors, on a machine of the cluster: completer serve --cluster --set cluster.address={address}")
-    print(f"status: RAY_AUTH_MODE=token ray status --address {address}; stop a node: ray stop")
+    # Ray's tools send the token only when told to, and swap a loopback address for the machine's
+    # network one unless told not to (ray_security.LOOPBACK_ONLY).
+    told = " ".join(f"{k}={v}" for k, v in ({"RAY_AUTH_MODE": "token"} | loopback).items())
+    print(f"status: {told} ray status --address {address}; stop a node: ray stop")
     return 0
 
 
