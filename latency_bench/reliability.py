@@ -60,6 +60,16 @@ SURFACES = [
      "(no reference cycle leaves them to the next full collection)", "test_server_limits"),
     ("cached default model", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
+    ("Ray cluster on several machines (`completer cluster head`/`join`)", "Ray's token auth on for every node; "
+     "every port a node opens off loopback refuses a request without the token (GCS, raylet, workers; job API "
+     "401); Ray's Prometheus servers off; a node joins only with a private copy of the token",
+     "test_cluster_security"),
+    ("Ray on one machine (`completer serve --cluster`)", "every Ray port on 127.0.0.1 (Serve's replica gRPC "
+     "too); token file 0600, made so or refused; Ray's temp folder inside a 0700 folder of the user's, checked "
+     "at start", "test_cluster_security"),
+    ("a front door joining a cluster (`cluster.address`)", "refused in one line without the token, with "
+     "`RAY_AUTH_MODE` set to anything but `token`, or when the head answers without a token",
+     "test_cluster_security"),
 ]
 
 
