@@ -154,6 +154,7 @@ class EngineCore:
     def add(self, request: Request, submitted: float | None = None) -> None:
         """submitted: time.perf_counter() when the engine was handed the request
         (the timeline's end of `prepare_ms`, start of `wait_ms`)."""
+        self.uncached.pop(request.id, None)  # (estimated while it waited in the inbox)
         if request.id in self.by_id:
             raise EngineError("bad_request", f"request id {request.id!r} is already in flight")
         if self.scheduler.queue_full:
@@ -162,7 +163,6 @@ class EngineCore:
             raise EngineError("bad_request", "empty prompt")
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
-        self.uncached.pop(request.id, None)
         seq = self._sequence(request)
         if submitted is not None:
             seq.timings.prepare_ms = (submitted - request.arrival) * 1000
@@ -258,16 +258,13 @@ class EngineCore:
             self._finish(seq, "deadline")
         if plan.expired:  # their answers go out now, not after this step's (maybe long) passes
             return self.output.drain()
-        if plan.bulk:
-            self.bulk_slice_until = plan.slice_until
+        if plan.prefill:
             torch.set_num_threads(1 if self.fused else self.prefill_threads)
+            self.bulk_slice_until = plan.slice_until
             try:
                 self._prefill(plan.prefill)
-            except BulkPaused:  # interactive work came: it runs next step, this pass goes on after it
+            except BulkPaused:  # work that goes first came: it runs next step, this pass goes on after it
                 return self.output.drain()
-        elif plan.prefill:
-            torch.set_num_threads(1 if self.fused else self.prefill_threads)
-            self._prefill(plan.prefill)
             self._expire()  # a long prefill must not carry others past their deadline into a pass
             if self.loop is not None and self.config.between_passes:
                 # A keystroke's first token is out a decode pass sooner; one superseded meanwhile
