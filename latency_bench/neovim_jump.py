@@ -16,7 +16,6 @@ jump kind, and the server's TTFT of those keystrokes.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from rich.table import Table
 
 from completer.evaluate import heldout_files
 from latency_bench.harness import ROOT, TOKEN, running_server
-from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
+from latency_bench.nvim_editor import Editor, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
 ROWS = {"interactive": ("engine.interactive_first=true",), "fifo": ("engine.interactive_first=false",)}
@@ -66,21 +65,8 @@ def drive(ed: Editor, paths: list[Path], texts: list[str], per_file: int, think_
         time.sleep(think_s)
         lines = ed.nvim.current.buffer[:]
         for row, kind in jumps(lines, per_file, rng):
-            lines = ed.nvim.current.buffer[:]  # as edited so far
-            row = min(row, len(lines) - 1)
-            indent = len(lines[row]) - len(lines[row].lstrip())
-            word = lines[row].strip()[:TYPED]
-            ed.nvim.input("<Esc>")
-            ed.nvim.command(f"call cursor({row + 1}, 1)")
-            ed.nvim.input("cc" + " " * indent)
-            ed.lua("require('completer').clear_latency()")
-            for ch in word:
-                tick0 = ed.tick()
-                ed.nvim.input(keys(ch))
-                wait_until(lambda: ed.tick() != tick0, 5, 0.005, "the keystroke")
-                time.sleep(rng.uniform(0.1, 0.2))  # a person's pace between the two keys
-            wait_until(lambda: not ed.lua("return require('completer').busy()"), 10, 0.005, "the plugin to settle")
-            records = ed.lua("return require('completer').latency()") or []
+            row = min(row, len(ed.nvim.current.buffer) - 1)  # (as edited so far)
+            records = ed.retype_after_jump(row, TYPED, lambda: time.sleep(rng.uniform(0.1, 0.2)))  # a person's pace
             last = [r for r in records if r.get("key_to_shown_ms") is not None]
             entry = {"file": path.name, "row": row + 1, "jump": kind, "shown": bool(last)}
             if last:

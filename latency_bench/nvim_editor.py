@@ -165,6 +165,24 @@ class Editor:
     def messages(self) -> str:
         return self.nvim.api.exec("messages", True)
 
+    def retype_after_jump(self, row: int, count: int, pause=lambda: None) -> list[dict]:
+        """Jump to `row` (0-based), clear its line (`cc` keeps nothing but the
+        indentation, typed again) and type its first `count` characters, with
+        `pause()` after each; once the plugin settles, its latency records."""
+        line = self.nvim.current.buffer[row]
+        indent = len(line) - len(line.lstrip())
+        self.nvim.input("<Esc>")
+        self.nvim.command(f"call cursor({row + 1}, 1)")
+        self.nvim.input("cc" + " " * indent)
+        self.lua("require('completer').clear_latency()")
+        for ch in line.strip()[:count]:
+            tick0 = self.tick()
+            self.nvim.input(keys(ch))
+            wait_until(lambda: self.tick() != tick0, 5, 0.005, "the keystroke")
+            pause()
+        wait_until(lambda: not self.lua("return require('completer').busy()"), 10, 0.005, "the plugin to settle")
+        return self.lua("return require('completer').latency()") or []
+
     def close(self):
         """Quit Neovim (:qa!, so VimLeavePre runs); its stderr."""
         try:

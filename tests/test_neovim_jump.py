@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
+from latency_bench.neovim_jump import jumps, ranks
+from latency_bench.nvim_editor import Editor, nvim_build, wait_until
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.keystrokes import corpus_files
 
@@ -31,22 +32,6 @@ def held_out_file(name: str = "_internal/req/req_install.py") -> str:
     """A long module of pip's sources (code this project never trained on)."""
     _, files = corpus_files(None)
     return dict(files)[name]
-
-
-def jump_rows(lines: list[str], rng: random.Random) -> list[tuple[int, str]]:
-    """Where a user goes next: mostly nearby (3 to 60 lines up or down: the
-    screen, the function above), every fourth jump anywhere in the file; each
-    to a line of code."""
-    code = [i for i, line in enumerate(lines) if len(line.strip()) >= 8 and 20 <= i < len(lines) - 5]
-    row, out = rng.choice(code), []
-    for n in range(JUMPS):
-        if n % 4 == 3:
-            row, kind = rng.choice(code), "far"
-        else:
-            near = [i for i in code if 3 <= abs(i - row) <= 60]
-            row, kind = rng.choice(near), "near"
-        out.append((row, kind))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,31 +54,14 @@ def test_keystroke_to_ghost_text_after_a_jump_within_an_open_file(server, tmp_pa
         ed.nvim.command("setlocal noautoindent nosmartindent indentexpr=")
         time.sleep(3)  # the plugin primes the file it entered; a user reads before the first jump
         shown: list[dict] = []
-        for row, kind in jump_rows(lines, random.Random(0)):
-            # A line of code, its first characters retyped after clearing it (cc keeps nothing).
-            indent = len(lines[row]) - len(lines[row].lstrip())
-            word = lines[row].strip()[:TYPED]
-            ed.nvim.input("<Esc>")
-            ed.nvim.command(f"call cursor({row + 1}, 1)")
-            ed.nvim.input("cc" + " " * indent)
-            ed.lua("require('completer').clear_latency()")
-            for ch in word:
-                tick0 = ed.tick()
-                ed.nvim.input(keys(ch))
-                wait_until(lambda: ed.tick() != tick0, 5, 0.005, "the keystroke")
-            wait_until(lambda: not ed.lua("return require('completer').busy()"), 10, 0.005, "the plugin to settle")
-            records = ed.lua("return require('completer').latency()")
+        for row, kind in jumps(lines, JUMPS, random.Random(0)):
+            records = ed.retype_after_jump(row, TYPED)  # a line of code, its first characters retyped
             if records:
                 shown.append({"row": row + 1, "jump": kind, **records[-1]})
             ed.nvim.input("<Esc>u")  # the file as it was: the next jump finds the text the server saw
         assert len(shown) >= JUMPS // 2, f"ghost text after only {len(shown)} of {JUMPS} jumps"
         for r in shown:
             assert r["ttft_ms"] <= r["key_to_shown_ms"], r
-        def ranks(rows: list[dict]) -> dict:
-            ms = sorted(round(r["key_to_shown_ms"], 1) for r in rows)
-            at = lambda q: ms[min(len(ms) - 1, max(0, -(-q * len(ms) // 100) - 1))] if ms else None  # noqa: E731
-            return {"p50": at(50), "p90": at(90), "n": len(ms)}
-
         report = {"file": name, "jumps": JUMPS, "typed_after_each": TYPED, "with_ghost_text": len(shown),
                   "neovim": ed.lua("local v = vim.version() return ('NVIM v%d.%d.%d'):format(v.major, v.minor, "
                                    "v.patch)"),
