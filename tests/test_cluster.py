@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -198,7 +199,17 @@ async def test_cancel_ends_the_request_on_its_replica(cluster):
         raise AssertionError(f"still running on a replica after the cancel: {figures}")
 
 
-async def test_a_killed_replica_loses_no_request_and_is_replaced(cluster):
+@pytest.fixture
+def environ_restored():
+    """secure_join sets Ray's environment in this process (Ray reads it when imported): the tests after
+    this one, and the processes they start, must not inherit it (a join with loopback's settings fails)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+async def test_a_killed_replica_loses_no_request_and_is_replaced(cluster, environ_restored):
     from completer.cluster.ray_join import secure_join
 
     # Before Ray is imported: the front door's cluster asks for its token, and is on loopback.

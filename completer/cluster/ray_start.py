@@ -85,7 +85,9 @@ def join_start(address: str, node_ip: str | None = None, num_cpus: float | None 
 
 def run(start: NodeStart) -> bool:
     """`ray start`; its own output only when it fails (it would suggest a bare `ray start` to join)."""
-    done = subprocess.run(start.argv, env={**os.environ, **start.env}, stdin=subprocess.DEVNULL,
+    # The node's own settings decide loopback, not an environment this process inherited.
+    inherited = {k: v for k, v in os.environ.items() if k not in rs.LOOPBACK_ONLY}
+    done = subprocess.run(start.argv, env={**inherited, **start.env}, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stdout + done.stderr)
