@@ -35,7 +35,7 @@ from latency_bench.harness import CLUSTER, ROOT, running_server
 from ray_hosts import (PY, Host, check_private_from_nobody, end_session, fake_gcs, host_of, listening, node_argv,
                        on_loopback, probe, session_members, session_of, start_node)
 from readme_blocks import FENCE, SHELLS, commands
-from test_disagg_netns import Link, ip
+from test_disagg_netns import linked
 from test_readme import parse_with_our_parsers
 
 DOC = ROOT / "docs" / "cluster.md"
@@ -67,24 +67,9 @@ def hosts():
 
 @pytest.fixture
 def link():
-    if shutil.which("ip") is None:
-        pytest.skip("cannot set up network namespaces: no `ip` command (iproute2 is not installed)")
-    net = Link(f"s{os.getpid()}")
-    try:
-        ip("netns", "add", net.a)
-        ip("netns", "add", net.b)
-        ip("link", "add", net.veth_a, "netns", net.a, "type", "veth", "peer", "name", net.veth_b, "netns", net.b)
-        for ns, dev, addr in ((net.a, net.veth_a, net.A_IP), (net.b, net.veth_b, net.B_IP)):
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", ns, "link", "set", dev, "up")
-        # Each one's default route over the link, as a machine has one: Ray picks its address from it.
-        ip("-n", net.a, "route", "add", "default", "via", net.B_IP)
-        ip("-n", net.b, "route", "add", "default", "via", net.A_IP)
+    # Each one's default route over the link, as a machine has one: Ray picks its address from it.
+    with linked(f"s{os.getpid()}", default_routes=True) as net:
         yield net
-    finally:
-        for ns in (net.a, net.b):
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
 
 
 # -- the docs ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ always runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -164,13 +165,16 @@ class Link:
         return json.loads(out)[0]["stats64"]["rx"]["bytes"]
 
 
-@pytest.fixture
-def link():
+@contextlib.contextmanager
+def linked(tag: str, default_routes: bool = False):
+    """Two namespaces joined by a veth pair (`Link`), deleted after; with
+    `default_routes`, each one's default route over the link, as a machine
+    has one. Skips the test, saying why, where they cannot be made."""
     if not sys.platform.startswith("linux"):
         pytest.skip("network namespaces are Linux's")
     if shutil.which("ip") is None:
         pytest.skip("cannot set up network namespaces: no `ip` command (iproute2 is not installed)")
-    net = Link(str(os.getpid()))
+    net = Link(tag)
     try:
         ip("netns", "add", net.a)
         ip("netns", "add", net.b)
@@ -179,10 +183,19 @@ def link():
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "link", "set", dev, "up")
+        if default_routes:
+            ip("-n", net.a, "route", "add", "default", "via", net.B_IP)
+            ip("-n", net.b, "route", "add", "default", "via", net.A_IP)
         yield net
     finally:  # deleting a namespace deletes its end of the pair, and so the pair
         for ns in (net.a, net.b):
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def link():
+    with linked(str(os.getpid())) as net:
+        yield net
 
 
 # -- the tests ------------------------------------------------------------------
