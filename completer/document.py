@@ -42,6 +42,8 @@ def outside_window(snippets: list[Snippet], path: str, prefix: str, suffix: str,
     just edited change with every edit and jump, so the context block, which
     the prompt starts with, would change with them (recomputing the whole
     prompt) to add nothing."""
+    if not any(s.uri == path for s in snippets):  # (most keystrokes: nothing to cut)
+        return snippets
     around = prefix[-3 * budget:] + suffix[: 3 * (budget if suffix_budget is None else suffix_budget)]
     return [s for s in snippets if not (s.uri == path and s.text in around)]
 

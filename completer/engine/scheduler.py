@@ -40,9 +40,8 @@ BULK_MIN_CHUNK = 32
 class StepPlan(NamedTuple):
     expired: list[Sequence]  # past their deadline: finish them
     prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens it may prefill this step)
-    # A bulk chunk (prefill holds it alone): its pass stops at an interactive arrival,
-    # or, when bulk work was starved, at this perf_counter() time.
-    bulk: bool = False
+    # With a starved bulk chunk (prefill holds it alone): its pass stops at this
+    # perf_counter() time (else at the arrival of work that goes first).
     slice_until: float | None = None
 
 
@@ -160,10 +159,10 @@ class Scheduler:
             self.bulk_waits_since = now
         if not any(not s.bulk for s in self.decoding()):
             shortest = min(bulk, key=lambda s: s.prefill_left)
-            return StepPlan(expired, [(shortest, self.bulk_chunk(shortest))], bulk=True)
+            return StepPlan(expired, [(shortest, self.bulk_chunk(shortest))])
         if (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
             return StepPlan(expired, [])
-        return StepPlan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))], bulk=True,
+        return StepPlan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))],
                         slice_until=now + self.config.bulk_slice_ms / 1000)
 
     def bulk_chunk(self, seq: Sequence) -> int:
