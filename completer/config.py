@@ -86,7 +86,9 @@ class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: int = 8012
     max_inflight: int = 32  # requests in flight on these routes together; more get 429
     # Slow or idle clients (server/compat/connections.py): each holds a socket and a file descriptor.
-    max_connections: int = 128  # open at once; past it the longest-idle one not busy is closed
+    # Open at once; past it one not busy is closed: one that never sent the token before any that did
+    # (compat/connections.py, ConnectionGuard.victim).
+    max_connections: int = 128
     header_timeout_s: float = 10.0  # from a request's first byte to its last header line
     body_timeout_s: float = 30.0  # to read a request's whole body
     idle_timeout_s: float = 60.0  # a connection with no request in it (keep-alive, or never used)

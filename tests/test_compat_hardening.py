@@ -197,6 +197,65 @@ def test_a_kept_alive_connection_is_closed_when_idle_and_the_cap_makes_room_for_
             sock.close()
 
 
+def test_floods_of_idle_strangers_never_close_an_authenticated_keep_alive_client(server):
+    """Issue #43 item 6: batches of idle sockets (no byte, no token) past
+    compat.max_connections once closed the longest-idle connection, an
+    editor's keep-alive one between two keystrokes (37 of 346 requests met a
+    broken pipe). A connection that authenticated is never closed while a
+    stranger is open: the strangers make room for each other."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.compat, timeout=60)
+    infill_on(conn)
+    kept = conn.sock
+    try:
+        for _ in range(4):
+            flood = [socket.create_connection(("127.0.0.1", server.compat)) for _ in range(3 * 8)]
+            try:
+                # All taken in: flood[15] was closed for flood[23] (flood[22] on the old rule).
+                assert read_until_closed(flood[15], 5) == b""
+                assert read_until_closed(flood[0], 5) == b""
+                time.sleep(0.15)  # the next keystroke
+                infill_on(conn)  # on the old rule: RemoteDisconnected (the client went for flood[7])
+                assert conn.sock is kept  # the same connection, not a new one
+            finally:
+                for sock in flood:
+                    sock.close()
+    finally:
+        conn.close()
+
+
+def test_a_stranger_not_authenticated_within_the_header_timeout_is_the_first_to_go(server):
+    """A connection that sends requests without the token (here /health,
+    which needs none) keeps itself recently active, but it is closed before
+    younger idle strangers once open longer than the header timeout."""
+    time.sleep(0.5)  # the earlier tests' connections are gone from the server
+    stranger = http.client.HTTPConnection("127.0.0.1", server.compat, timeout=10)
+
+    def health() -> int:
+        stranger.request("GET", "/health")
+        response = stranger.getresponse()
+        response.read()
+        return response.status
+
+    health()
+    time.sleep(HEADER_S + 0.3)
+    fresh = [socket.create_connection(("127.0.0.1", server.compat)) for _ in range(7)]  # 8 open, the cap
+    try:
+        time.sleep(0.1)
+        assert health() == 200  # the stranger is now the connection idle the least long
+        with socket.create_connection(("127.0.0.1", server.compat)) as ninth:
+            took, data = closed_within(stranger.sock, 5)
+            assert data == b"" and took < 1, took  # it made room for the ninth (not its idle timeout)
+            for sock in fresh:  # younger strangers, idle longer: still open
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    sock.recv(1)
+            del ninth
+    finally:
+        stranger.close()
+        for sock in fresh:
+            sock.close()
+
+
 class SlowLoris:
     """`n` connections to `port` each sending a header byte every so often,
     reopened as soon as the server closes one: a flood that never lets up."""

@@ -13,10 +13,16 @@ needs too). So each connection's protocol is wrapped here:
 - busy (a request is being handled): the body's read is bounded by
   `compat.body_timeout_s` where it is read (`wire.read_body`), the
   handling by the engine's deadline;
-- at most `compat.max_connections` open: a new one closes the longest-idle
-  connection that is not busy (a slow-loris holds only such connections; a
-  real client's request is complete within milliseconds and it is busy from
-  then on), and gets a 503 itself only when all of them are busy.
+- at most `compat.max_connections` open: a new one closes another that is
+  not busy, and gets a 503 itself only when it cannot. Which one: while any
+  connection that never sent a request with the token (a stranger) is open,
+  a stranger, never a client that authenticated: first a stranger open for
+  longer than `compat.header_timeout_s` without authenticating (the oldest
+  of those), else the longest-idle stranger; a 503 when every stranger is
+  busy. Only when all are authenticated does the longest-idle of them go.
+  (The longest-idle connection, whoever it was, once went: a keep-alive
+  editor between two keystrokes, ~150 ms idle, was closed by a flood of
+  idle sockets opened after it, and its next request met a broken pipe.)
 
 Each connection also has a serial number: under `server.prefix_cache_scope
 = "connection"` it is what keeps one HTTP client's cache from another's.
@@ -54,13 +60,15 @@ class Connection(asyncio.Protocol):
         self.serial = next(guard.serials)
         self.transport: asyncio.Transport | None = None
         self.phase: Phase = "idle"
-        self.since = time.monotonic()
+        self.opened = self.since = time.monotonic()
+        self.authenticated = False  # a request with the server's token came on it
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.guard.admit(self):
             transport.write(raw_error(503, "Service Unavailable", f"{self.guard.max_connections} connections "
-                                      "open on these routes, all busy (compat.max_connections); retry"))
+                                      "open on these routes, none idle that may be closed "
+                                      "(compat.max_connections); retry"))
             transport.close()
             self.transport = None
             return
@@ -115,20 +123,37 @@ class ConnectionGuard:
         return Connection(self, self.handler_factory())
 
     def admit(self, conn: Connection) -> bool:
-        """Room for `conn`, made by closing the longest-idle one if need be."""
+        """Room for `conn`, made by closing another if need be (`victim`)."""
         if len(self.open) >= self.max_connections:
-            waiting = [c for c in self.open.values() if c.phase != "busy"]
-            if not waiting:
+            if (gone := self.victim(time.monotonic())) is None:
                 return False
-            oldest = min(waiting, key=lambda c: c.since)
-            self.open.pop(oldest.transport, None)
-            oldest.expire(raw_error(503, "Service Unavailable", "closed to make room for another connection "
-                                    "(compat.max_connections)") if oldest.phase == "headers" else None)
+            self.open.pop(gone.transport, None)
+            gone.expire(raw_error(503, "Service Unavailable", "closed to make room for another connection "
+                                  "(compat.max_connections)") if gone.phase == "headers" else None)
         self.open[conn.transport] = conn
         return True
 
+    def victim(self, now: float) -> Connection | None:
+        """The connection to close for a new one, or None (all that may go are
+        busy): never an authenticated one while a stranger is open."""
+        strangers = [c for c in self.open.values() if not c.authenticated]
+        if strangers:
+            waiting = [c for c in strangers if c.phase != "busy"]
+            late = [c for c in waiting if now - c.opened > self.header_timeout_s]
+            if late:  # had its chance to send the token, and did not
+                return min(late, key=lambda c: c.opened)
+        else:
+            waiting = [c for c in self.open.values() if c.phase != "busy"]
+        return min(waiting, key=lambda c: c.since) if waiting else None
+
     def of(self, request: web.Request) -> Connection | None:
         return self.open.get(request.transport)
+
+    @staticmethod
+    def authenticated(conn: Connection | None) -> None:
+        """A request on it carried the server's token: kept over strangers."""
+        if conn is not None:
+            conn.authenticated = True
 
     def busy(self, request: web.Request) -> Connection | None:
         """A request's headers are in: its connection is handling it."""

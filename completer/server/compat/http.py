@@ -103,28 +103,30 @@ class CompatServer:
         await self.runner.cleanup()
         self.runner = None
 
-    def check(self, request: web.Request) -> None:
-        """The Host, Origin and token checks of the WebSocket route, in HTTP's words."""
+    def check(self, request: web.Request) -> bool:
+        """The Host, Origin and token checks of the WebSocket route, in HTTP's
+        words; whether it carried the token (/health and a preflight need none)."""
         host = request.headers.get("Host")
         if not security.host_allowed(host, self.host):
             raise HttpError(403, "Host not allowed (the server is bound to loopback)")
         if not security.origin_allowed(request.headers.get("Origin"), host, self.scheme,
                                        self.config.server.allowed_origins):
             raise HttpError(403, "Origin not allowed (server.allowed_origins)")
-        if request.path in PUBLIC or request.method == "OPTIONS":
-            return
         h = request.headers
-        if not security.api_key_matches(self.token, h.get("Authorization"), h.get("X-Api-Key"),
-                                        h.get("api-key")):
+        if security.api_key_matches(self.token, h.get("Authorization"), h.get("X-Api-Key"), h.get("api-key")):
+            return True
+        if request.path not in PUBLIC and request.method != "OPTIONS":
             raise HttpError(401, "Invalid API Key: send the server's token as `Authorization: Bearer TOKEN` "
                                  "(llama.vim: g:llama_config.api_key; the server prints where it keeps it)")
+        return False
 
     @web.middleware
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
         route = ROUTE_LABELS.get(request.path, "other")
         connection = self.connections.busy(request)
         try:
-            self.check(request)
+            if self.check(request):  # its connection outranks those that never sent the token
+                self.connections.authenticated(connection)
             if request.method == "OPTIONS":  # a CORS preflight from an allowed origin
                 return web.Response(status=204, headers=CORS_HEADERS)
             return await handler(request)
