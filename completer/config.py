@@ -71,6 +71,9 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     public_metrics: bool = False  # true: /metrics without the token (a scraper that cannot send one)
     # Per connection: the files its client sent (context, documents) kept as retrieval candidates (0: none).
     context_store_chars: int = 1_000_000
+    # All connections together: the characters their stores and retrieval window caches hold (~15 bytes of
+    # memory each), the least recently used, whichever connection's, dropped first (context_store.LEDGER).
+    context_chars_total: int = 32_000_000
     # Folders on this machine under which a request's `workspace` may be read to resolve its document's
     # imports (completer/workspace.py); absolute paths. Empty: the server never reads a client's files.
     workspace_roots: list[str] = []
@@ -214,6 +217,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if s.context_store_chars < 0:
         found.append(ConfigProblem(("server.context_store_chars",), f"server.context_store_chars = "
                                    f"{s.context_store_chars}: must be 0 (none) or more"))
+    if s.context_chars_total < 0:
+        found.append(ConfigProblem(("server.context_chars_total",), f"server.context_chars_total = "
+                                   f"{s.context_chars_total}: must be 0 (nothing kept across requests) or more"))
     for i, root in enumerate(s.workspace_roots):
         if not Path(root).is_absolute() or not Path(root).is_dir():
             found.append(ConfigProblem(("server.workspace_roots",), f"server.workspace_roots[{i}] = {root!r}: "

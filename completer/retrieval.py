@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from completer.context_store import LEDGER, ContextLedger
 from completer.prompt import Snippet
 
 WINDOW_LINES = 12
@@ -89,27 +90,40 @@ class WindowCache:
     of context cost ~19 MB in each of up to 256 documents. A client's
     documents share one prompt builder, so a window counts alike in all of
     them. Least recently used files go past `max_chars` of their text, their
-    counts with them."""
+    counts with them, and past the server's bound on all connections' context
+    (`ledger`, server.context_chars_total), whoever's are least recently used."""
 
-    def __init__(self, max_chars: int = 2_000_000):
+    def __init__(self, max_chars: int = 2_000_000, ledger: ContextLedger | None = None):
         self.max_chars = max_chars
         self._cut: OrderedDict[tuple[str, str, str], list[Window]] = OrderedDict()
         self._chars = 0
         self._tokens: dict[tuple[str, str], int] = {}
+        self.ledger = LEDGER if ledger is None else ledger
+        self._serial = self.ledger.join(self)
 
     def windows(self, snippet: Snippet) -> list[Window]:
         key = (snippet.uri, snippet.text, snippet.kind)
         cut = self._cut.pop(key, None)
-        if cut is None:
+        new = cut is None
+        if new:
             cut = windows(snippet)
             self._chars += len(snippet.text)
         self._cut[key] = cut
         while self._chars > self.max_chars and len(self._cut) > 1:
-            (_, text, _), gone = self._cut.popitem(last=False)
-            self._chars -= len(text)
+            gone = next(iter(self._cut))
+            self.forget(gone)
+            self.ledger.release(self._serial, gone)
+        if not new:
+            self.ledger.touch(self._serial, key)
+        elif not self.ledger.hold(self._serial, key, len(snippet.text)):  # over the server's bound by itself
+            self.forget(key)
+        return cut
+
+    def forget(self, key: tuple[str, str, str]) -> None:
+        if (gone := self._cut.pop(key, None)) is not None:
+            self._chars -= len(key[1])
             for w in gone:
                 self._tokens.pop((w.uri, w.text), None)
-        return cut
 
     def tokens(self, w: Window, count: Callable[[Snippet], int]) -> int:
         key = (w.uri, w.text)

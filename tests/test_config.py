@@ -72,6 +72,7 @@ OUT_OF_RANGE = [
     "spec.k_max=-1", "spec.ngram_min=0", "spec.draft_share=0", "spec.draft_share=1",
     "server.port=70000", "server.max_frame_bytes=0", "server.max_connections=0", "server.send_queue_frames=0",
     "model.order=xyz", "model.template=nope", "compat.port=70000", "compat.max_inflight=0",
+    "server.context_chars_total=-1",
 ]
 # Values that cannot work together: the message names every key of the relation.
 BROKEN_RELATIONS = {
@@ -100,6 +101,7 @@ def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(overr
     ["spec.k_init=8"], ["spec.k_max=0", "spec.k_init=0"], ["spec.ngram_min=1", "spec.ngram_max=1"],
     ["spec.draft_model=false", "spec.draft_share=0"],  # no drafter, no share to give it
     ["server.port=0"], ["engine.threads=0"], ["compat.port=0"], ["compat.enabled=false", "compat.port=8750"],
+    ["server.context_chars_total=0"],  # nothing kept across requests: each request's own files only
 ])
 def test_values_at_their_bounds_load(overrides):
     assert isinstance(load_config(CONFIGS / "default.toml", overrides), Config)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from completer import context_store
 from completer.config import Config
 from completer.engine.engine import Engine
 from completer.loading import LoadedModel
@@ -62,6 +63,7 @@ class App:
         self.connections = 0
         # The completions themselves, whichever door they come through (the engine attached once ready).
         self.service = CompletionService(config, self.metrics)
+        context_store.LEDGER.bound(config.server.context_chars_total)  # every connection's context, together
         self.scheme = "https" if config.server.tls_cert else "http"
         self.dashboard_html = resources.files("completer.server").joinpath("dashboard.html").read_bytes()
         self.compat = CompatServer(self.service, token) if config.compat.enabled else None
