@@ -7,8 +7,10 @@ Serve takes the first rank with room (a replica at its
 `max_ongoing_requests` rejects) and picks within a rank by queue length.
 FIFOMixin is not used: it would hand the replica chosen for one session to
 another session's request. Serve pickles this module by value: the counters
-are reached through the `routing` module (pickled by name), so the front
-door reads the very object this router writes.
+and the replicas' health are reached through the `routing` module (pickled
+by name), so the front door's link reads and writes the very objects this
+router uses. A replica the cluster engine marked stalled (client.py) is left
+out of the candidates while any other is up.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class AffinityRouter(RequestRouter):
             return []
         started = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        # A replica that stopped answering (client.py) gets no new request while another can take it.
+        by_id = {uid: by_id[uid] for uid in routing.HEALTH.usable(list(by_id))}
         loads = {uid: self.load(r) for uid, r in by_id.items()}
         hop = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if isinstance(hop, Hop):
@@ -59,6 +63,9 @@ class AffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         uid = replica_id.unique_id
         self.in_flight[uid] = self.in_flight.get(uid, 0) + 1
+        hop = pending_request.args[0] if pending_request.args else None
+        if isinstance(hop, Hop):  # whose silence the cluster engine waits on, if it comes to that
+            routing.HEALTH.place(hop.request.id, uid)
         outcome = self.outcome_of.pop(pending_request.metadata.internal_request_id, None)
         with routing.ROUTER_STATS.lock:
             routing.ROUTER_STATS.routed[uid] = routing.ROUTER_STATS.routed.get(uid, 0) + 1
@@ -77,6 +84,7 @@ class AffinityRouter(RequestRouter):
         self.holders = prefix_holders({uid: s.get("prefixes", []) for uid, s in stats.items()})
         for uid in set(self.in_flight) - set(stats):
             del self.in_flight[uid]
+        routing.HEALTH.keep(set(stats))
         with routing.ROUTER_STATS.lock:
             routing.ROUTER_STATS.replicas = {uid: {k: v for k, v in s.items() if k != "prefixes"} for uid, s in stats.items()}
 
@@ -84,3 +92,4 @@ class AffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.table.forget_replica(replica_id.unique_id)
         self.in_flight.pop(replica_id.unique_id, None)
+        routing.HEALTH.answered(replica_id.unique_id)

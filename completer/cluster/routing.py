@@ -132,8 +132,64 @@ class RouterStats:
         with self.lock:
             return {"routed": dict(self.routed), "outcomes": dict(self.outcomes),
                     "replicas": {r: dict(s) for r, s in self.replicas.items()}, "decisions": self.decisions,
-                    "decision_s": self.decision_s, "keys": self.keys}
+                    "decision_s": self.decision_s, "keys": self.keys, "stalled": HEALTH.snapshot()}
+
+
+class ReplicaHealth:
+    """Replicas that stopped answering, as the cluster engine (client.py) saw
+    them, for the router (on Serve's routing thread) to pass over; and where
+    the router sent each request, for the cluster engine to know whose
+    silence it waits on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stalled: set[str] = set()
+        self.placed: dict[str, str] = {}  # request id (as sent to the replicas) -> replica
+
+    def place(self, request_id: str, replica: str) -> None:
+        with self.lock:
+            self.placed[request_id] = replica
+
+    def placement(self, request_id: str) -> str | None:
+        with self.lock:
+            return self.placed.get(request_id)
+
+    def unplace(self, request_id: str) -> None:
+        with self.lock:
+            self.placed.pop(request_id, None)
+
+    def stall(self, replica: str) -> bool:
+        """Mark it stalled; True when it was not already."""
+        with self.lock:
+            new = replica not in self.stalled
+            self.stalled.add(replica)
+            return new
+
+    def answered(self, replica: str) -> bool:
+        """It answered (or is gone): no longer stalled; True when it was."""
+        with self.lock:
+            if replica in self.stalled:
+                self.stalled.discard(replica)
+                return True
+            return False
+
+    def keep(self, replicas: set[str]) -> None:
+        """Forget the replicas no longer in the deployment."""
+        with self.lock:
+            self.stalled &= replicas
+
+    def usable(self, candidates: list[str]) -> list[str]:
+        """The candidates not stalled; all of them when every one is (a hung
+        replica is still better than none: its requests end at their deadlines)."""
+        with self.lock:
+            healthy = [r for r in candidates if r not in self.stalled]
+        return healthy or list(candidates)
+
+    def snapshot(self) -> list[str]:
+        with self.lock:
+            return sorted(self.stalled)
 
 
 # One per process: Serve builds one router per deployment handle, in the process holding it.
 ROUTER_STATS = RouterStats()
+HEALTH = ReplicaHealth()
