@@ -78,6 +78,10 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # imports (completer/workspace.py); absolute paths. Empty: the server never reads a client's files.
     workspace_roots: list[str] = []
     workspace_file_bytes: int = 256 * 1024  # a larger imported file is not read
+    # Warming (completer/server/warming.py): after a request on a document, once its client pauses this
+    # long, up to this many windows its next jump may take are prefilled while the engine is idle (0: none).
+    warm_windows: int = 3
+    warm_after_ms: float = 100.0
 
 
 class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -228,6 +232,12 @@ def problems(config: Config) -> list[ConfigProblem]:
                 "send_queue_frames", "max_documents_per_connection", "workspace_file_bytes"):
         if getattr(s, key) < 1:
             found.append(ConfigProblem((f"server.{key}",), f"server.{key} = {getattr(s, key)}: must be at least 1"))
+    if s.warm_windows < 0:
+        found.append(ConfigProblem(("server.warm_windows",), f"server.warm_windows = {s.warm_windows}: "
+                                   "must be 0 (no warming) or more"))
+    if not (s.warm_after_ms >= 0 and math.isfinite(s.warm_after_ms)):
+        found.append(ConfigProblem(("server.warm_after_ms",), f"server.warm_after_ms = {s.warm_after_ms}: "
+                                   "must be 0 or more milliseconds"))
     if not s.keepalive_s > 0:
         found.append(ConfigProblem(("server.keepalive_s",), f"server.keepalive_s = {s.keepalive_s}: must be above 0"))
     c = config.compat

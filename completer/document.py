@@ -66,6 +66,8 @@ class DocumentPrompt:
         self.prefix_ids: list[int] = []
         self.prefix_offsets: list[int] = []  # char offset in prefix_text where each token starts
         self.retokenized_chars = 0  # chars tokenized by the last update (for tests and metrics)
+        self.text = ("", "")  # the last update's prefix and suffix (warming reads the document from them)
+        self.prefix_budget = 0  # the last update's tokens for the prefix
 
     def _encode(self, text: str, base: int = 0) -> tuple[list[int], list[int]]:
         enc = self.builder.tok.tokenizer.encode(text, add_special_tokens=False)
@@ -93,6 +95,7 @@ class DocumentPrompt:
 
         overhead = len(b.assemble([], [], []))
         budget = b.budget - len(self.context) - len(self.suffix_ids) - overhead
+        self.text, self.prefix_budget = (prefix, suffix), budget
         if not self._extend_prefix(prefix, budget):
             self.prefix_start, _ = b.fit_prefix(prefix, budget)
             self.prefix_text = prefix[self.prefix_start:]
@@ -110,15 +113,7 @@ class DocumentPrompt:
         same = common_prefix_length(self.prefix_text, text)
         if same == 0:
             return False
-        # Restart at the token that holds the newline ending the line before the
-        # edit's line: far enough back that the tokens before it are settled.
-        line = text.rfind("\n", 0, same)
-        cut = text.rfind("\n", 0, line) if line > 0 else -1
-        keep = 0
-        if cut > 0:  # the first token starting where the one holding `cut` starts
-            j = max(bisect.bisect_right(self.prefix_offsets, cut) - 1, 0)
-            keep = bisect.bisect_left(self.prefix_offsets, self.prefix_offsets[j])
-        restart = self.prefix_offsets[keep] if keep < len(self.prefix_offsets) else len(text)
+        keep, restart = self.settled(text, same)
         ids, offsets = self._encode(text[restart:], base=restart)
         new_ids = self.prefix_ids[:keep] + ids
         if len(new_ids) > budget:
@@ -126,3 +121,16 @@ class DocumentPrompt:
         self.prefix_text, self.prefix_ids = text, new_ids
         self.prefix_offsets = self.prefix_offsets[:keep] + offsets
         return True
+
+    def settled(self, text: str, same: int) -> tuple[int, int]:
+        """(tokens kept, char offset re-tokenized from) for a window text
+        whose first `same` chars are the last one's: the restart is at the
+        token that holds the newline ending the line before the edit's line,
+        far enough back that the tokens before it are settled."""
+        line = text.rfind("\n", 0, same)
+        cut = text.rfind("\n", 0, line) if line > 0 else -1
+        keep = 0
+        if cut > 0:  # the first token starting where the one holding `cut` starts
+            j = max(bisect.bisect_right(self.prefix_offsets, cut) - 1, 0)
+            keep = bisect.bisect_left(self.prefix_offsets, self.prefix_offsets[j])
+        return keep, self.prefix_offsets[keep] if keep < len(self.prefix_offsets) else len(text)

@@ -186,12 +186,24 @@ class PromptBuilder:
     def assemble(self, context: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
         """The template's order, with `context` (snippets and file header) first."""
         t, sp, ms = self.template, self._space, self._marker_space
+        if t.order == "spm":
+            pre, suf, mid = self._special[t.prefix], self._special[t.suffix], self._special[t.middle]
+            return self._bos + context + [pre] + ms + [suf] + suffix + ms + [mid] + sp + prefix
+        head = self.head(context, prefix)
+        if t.order == "prefix":
+            return head
+        return head + ms + [self._special[t.suffix]] + suffix + ms + [self._special[t.middle]]
+
+    def head(self, context: list[int], prefix: list[int]) -> list[int] | None:
+        """The prompt up to its prefix's end, where nothing that depends on the
+        cursor comes before that (prefix and PSM orders; None for SPM, whose
+        suffix comes first): what any prompt of this window starts with."""
+        t = self.template
         if t.order == "prefix":
             return self._bos + context + prefix
-        pre, suf, mid = self._special[t.prefix], self._special[t.suffix], self._special[t.middle]
-        if t.order == "spm":
-            return self._bos + context + [pre] + ms + [suf] + suffix + ms + [mid] + sp + prefix
-        return self._bos + context + [pre] + sp + prefix + ms + [suf] + suffix + ms + [mid]
+        if t.order == "psm":
+            return self._bos + context + [self._special[t.prefix]] + self._space + prefix
+        return None
 
     def fit_suffix(self, suffix: str) -> tuple[int, list[int]]:
         """Whole lines of the suffix's head while they fit (at least the rest of the current line)."""
@@ -215,16 +227,28 @@ class PromptBuilder:
             end -= 1
         return end, ids
 
-    def fit_prefix(self, prefix: str, budget: int) -> tuple[int, list[int]]:
+    def fit_prefix(self, prefix: str, budget: int, count=None) -> tuple[int, list[int]]:
         """The prefix tail that fits, starting at a line whose number is a
         multiple of `step_lines`: typing at the cursor never moves that start
         until the window overflows, and then it jumps a whole step, so the
         tokens before the cursor (and their KV) stay the same keystroke after
         keystroke. Where that would keep less than half the budget (`step_lines`
         lines are too many for it), the step is halved, down to single lines;
-        a line too long on its own is cut at a char offset on a similar grid."""
+        a line too long on its own is cut at a char offset on a similar grid.
+        `count(start, end)`: the tokens of prefix[start:end] (default: encode
+        it; warming passes one read off a single encoding); with it, the ids
+        returned are [] (the start is what is asked)."""
         if budget <= 0:
             return len(prefix), []
+        counted, tails = count is not None, {}
+
+        def encoded(start: int, end: int) -> int:
+            ids = self.tok.encode(prefix[start:end])
+            if end == len(prefix):
+                tails[start] = ids  # (the window's ids, if it is this start)
+            return len(ids)
+
+        count = count or encoded
         # Code averages ~3 chars/token: a start further than budget*8 chars back
         # cannot fit, so only the lines after `reach` are listed (the work
         # follows the window, not the file); `first` numbers the first of them.
@@ -234,15 +258,15 @@ class PromptBuilder:
         else:
             first, line_starts = prefix.count("\n", 0, reach - 1) + 1, []
         line_starts += [m.end() for m in NEWLINE.finditer(prefix, max(0, reach - 1))]
-        fit = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, first)
-        if fit is None:
+        start = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, count, first)
+        if start is None:
             chars = range(prefix.rfind("\n") + 1, len(prefix) + 1)
-            fit = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2))
-        assert fit is not None  # the empty tail always fits
-        return fit
+            start = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2), count)
+        assert start is not None  # the empty tail always fits
+        return start, [] if counted else tails.get(start) or self.tok.encode(prefix[start:])
 
-    def _fit_on_grid(self, prefix: str, starts, budget: int, step: int,
-                     first_index: int = 0) -> tuple[int, list[int]] | None:
+    def _fit_on_grid(self, prefix: str, starts, budget: int, step: int, count,
+                     first_index: int = 0) -> int | None:
         """The earliest of `starts` (sorted char offsets, numbered from
         `first_index`) whose number is a multiple of `step` and from which the
         prefix fits, halving `step` while that keeps less than half the budget;
@@ -255,8 +279,8 @@ class PromptBuilder:
         margin = min(8, budget // 4)
 
         def cost(start: int) -> int:
-            exact = len(self.tok.encode(prefix[start:word])) if start < word else 0
-            return exact + max(margin, len(self.tok.encode(prefix[max(start, word):])))
+            exact = count(start, word) if start < word else 0
+            return exact + max(margin, count(max(start, word), len(prefix)))
 
         # Fewer tokens the later the start: binary-search the earliest start that
         # fits. Code averages ~3 chars/token, so starts further than budget*8
@@ -272,9 +296,8 @@ class PromptBuilder:
         while first < len(starts):
             i = -(-(first + first_index) // step) * step - first_index  # the first start on the grid that fits
             if i < len(starts) and (i == first or 2 * cost(starts[i]) >= budget):
-                ids = self.tok.encode(prefix[starts[i]:])
-                if len(ids) <= budget:
-                    return starts[i], ids
+                if count(starts[i], len(prefix)) <= budget:
+                    return starts[i]
                 if i == first:  # `cost` was short (odd tokenizations): try the next start
                     first += 1
                     continue

@@ -169,6 +169,10 @@ class EngineCore:
             seq.timings.wait_ms = (time.perf_counter() - submitted) * 1000
         self.scheduler.add(seq)
         self.by_id[request.id] = seq
+        if request.warm and (cached := self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)) \
+                >= (len(request.prompt) - 1) // self.kv.block_size * self.kv.block_size:
+            seq.timings.cached_tokens = cached  # warm already: nothing to compute (not even its last token)
+            self._finish(seq, "length")
 
     def _sequence(self, request: Request) -> Sequence:
         p = request.params
@@ -241,13 +245,17 @@ class EngineCore:
         """Whether a request coming in goes before a running bulk pass (which
         computes `bulk`'s prompt up to `end`): it is interactive work, or bulk
         work with less left (its uncached prompt estimated from the target's
-        prefix cache, no reference taken); unless its prompt starts with what
+        prefix cache, no reference taken), or anything but warming before a
+        warming pass; unless its prompt starts with what
         the pass computes (a keystroke after the prime of its position), since
         then the pass is its own prefill."""
+        if request.warm:
+            return False
         if (uncached := self.uncached.get(request.id)) is None:
             cached = self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)
             uncached = self.uncached[request.id] = len(request.prompt) - cached
-        first = not self.scheduler.is_bulk(uncached, request.params.priming) or uncached < bulk.prefill_left
+        first = bulk.request.warm or not self.scheduler.is_bulk(uncached, request.params.priming) \
+            or uncached < bulk.prefill_left
         return first and not (request.cache_salt == bulk.cache_salt and len(request.prompt) > end
                               and request.prompt[:end] == bulk.tokens[:end])
 

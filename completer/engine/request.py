@@ -54,6 +54,9 @@ class Request(msgspec.Struct, frozen=True):
     # one-token draft, so when the healed first token is that same token the
     # pass has already computed the next one. -1: none.
     heal_token: int = -1
+    # Warming (max_tokens 0): the window an open document's next jump may
+    # take, prefilled while nothing else waits; the last of all bulk work.
+    warm: bool = False
 
 
 class Timings(msgspec.Struct):

@@ -12,7 +12,9 @@ core keeps it and goes on from that layer later). So a keystroke waits
 behind bulk work for at most one layer of one bulk pass, except when
 interactive work has kept bulk work waiting `bulk_starve_ms`: then the
 oldest bulk prompt runs a slice of `bulk_slice_ms` however busy the engine
-is, so no flood of keystrokes starves it.
+is, so no flood of keystrokes starves it. Warming (`Request.warm`: the
+windows a document's next jump may take) comes after all other bulk work,
+one warm prompt admitted at a time, and is never given a starved slice.
 
 Requests are admitted while their worst case fits in every pool beside the
 running sequences' (so decoding never runs out of blocks) and fewer than
@@ -86,9 +88,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.bulk_waits_since: float | None = None  # bulk work ready and made no progress since
 
-    def is_bulk(self, uncached: int, priming: bool) -> bool:
-        """Whether a prompt with this many tokens left to compute is bulk work."""
-        return self.config.interactive_first and (priming or uncached > self.config.bulk_tokens)
+    def is_bulk(self, uncached: int, priming: bool, warm: bool = False) -> bool:
+        """Whether a prompt with this many tokens left to compute is bulk work (warming always is)."""
+        return warm or self.config.interactive_first and (priming or uncached > self.config.bulk_tokens)
 
     def bulk_progressed(self) -> None:
         """A bulk pass ran at least one layer: the starvation clock starts again."""
@@ -151,16 +153,18 @@ class Scheduler:
         """A bulk prompt's next chunk when interactive work lets it run: the
         one with the least left (a cold file the user types in before another
         editor's long open); when it starved, a slice for the oldest."""
-        bulk = [s for s in self.running if s.bulk and s.status is Status.PREFILL and s.prefill_left]
+        ready = [s for s in self.running if s.bulk and s.status is Status.PREFILL and s.prefill_left]
+        bulk = [s for s in ready if not s.request.warm]
         if not bulk:
             self.bulk_waits_since = None
-            return StepPlan(expired, [])
-        if self.bulk_waits_since is None:
+        elif self.bulk_waits_since is None:
             self.bulk_waits_since = now
+        if not ready:
+            return StepPlan(expired, [])
         if not any(not s.bulk for s in self.decoding()):
-            shortest = min(bulk, key=lambda s: s.prefill_left)
+            shortest = min(ready, key=lambda s: (s.request.warm, s.prefill_left))
             return StepPlan(expired, [(shortest, self.bulk_chunk(shortest))])
-        if (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
+        if not bulk or (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
             return StepPlan(expired, [])
         return StepPlan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))],
                         slice_until=now + self.config.bulk_slice_ms / 1000)
@@ -185,12 +189,15 @@ class Scheduler:
         return [s for s in self.running if s.status is Status.DECODE]
 
     def _admit(self, now: float) -> None:
+        warming = any(s.request.warm for s in self.running)
         for seq in list(self.waiting):
             if len(self.running) >= self.config.max_running:
                 return
+            if seq.request.warm and warming:
+                continue  # one at a time: a warm prompt's blocks are reserved while it waits its turn
             if not self.kv.admit(seq, self.running):
-                if self.config.interactive_first:
-                    continue  # a smaller request behind it may fit
+                if self.config.interactive_first or seq.request.warm:
+                    continue  # a smaller request behind it may fit (nothing ever waits for warming)
                 return
             self.waiting.remove(seq)
             seq.status = Status.PREFILL
@@ -198,7 +205,8 @@ class Scheduler:
             target = seq.kv["target"]
             seq.timings.cached_tokens = target.computed
             moved = seq.moved.length if seq.moved is not None else 0
-            seq.bulk = self.is_bulk(seq.prompt_len - target.computed - moved, seq.params.priming)
+            seq.bulk = self.is_bulk(seq.prompt_len - target.computed - moved, seq.params.priming, seq.request.warm)
+            warming |= seq.request.warm
             self.running.append(seq)
             if self.connector is not None and self.connector.admit(seq, self.running):
                 seq.status = Status.REMOTE

@@ -85,6 +85,10 @@ class Metrics:
         self.kv_transfer_seconds = Histogram("completer_kv_transfer_seconds", "Time receiving one request's K/V "
                                              "from a prefill worker.", buckets=LATENCY_BUCKETS, registry=r)
         self.workers_up = Gauge("completer_prefill_workers_up", "Prefill workers connected.", registry=r)
+        self.fused_cpu = Gauge("completer_fused_cpu_active", "1: the target's short CPU passes run through the "
+                               "fused C++ layer; 0: through torch's ops (a fallback, said at WARNING when the "
+                               "layer could not be built or used; or a GPU, a float model, engine.fused_cpu "
+                               "off).", registry=r)
         self.shown_chars = Counter("completer_feedback_shown_chars", "Characters of completions reported shown.",
                                    registry=r)
         self.accepted_chars = Counter("completer_feedback_accepted_chars", "Characters users kept, by a key "
@@ -96,6 +100,11 @@ class Metrics:
                                 ["outcome"], registry=r)
         self.primes = Counter("completer_cache_primes", "Requests that only primed the cache (max_tokens 0).",
                               registry=r)
+        self.warm_requests = Counter("completer_warm_requests", "Warming: windows a document's next jump may "
+                                     "take, prefilled while idle, by how each ended (length: warm now; "
+                                     "cancelled: a newer set replaced it).", ["outcome"], registry=r)
+        self.warm_tokens = Counter("completer_warm_tokens", "Warming: prompt tokens computed (not found cached).",
+                                   registry=r)
         self.route_requests = Counter(
             "completer_route_requests", "Requests by route (ws; infill, completion, v1/completions: the "
             "compatible HTTP routes) and how each ended (a finish reason, primed, disconnected, or an HTTP "
@@ -202,6 +211,11 @@ class Metrics:
         self.primes.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
+
+    def observe_warm(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.warm_requests.labels(reason).inc()
+        if reason == "length":
+            self.warm_tokens.inc(prompt_tokens - cached_tokens)
 
     def count_route(self, route: str, outcome: str) -> None:
         self.route_requests.labels(route, outcome).inc()

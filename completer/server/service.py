@@ -36,6 +36,7 @@ from completer.pipeline import CompletionPipeline, RequestOptions
 from completer.protocol import ContextItem, Document
 from completer.retrieval import WindowCache
 from completer.server.metrics import Metrics
+from completer.server.warming import Warmer
 
 if TYPE_CHECKING:
     from completer.cluster.front import LinkedEngine
@@ -86,6 +87,8 @@ class Flight:
     stream: RequestStream
     received: float  # time.perf_counter() when its door read it
     route: str  # the metrics' route label ("ws", "infill", ...)
+    warm: Hashable | None = None  # the document whose next windows are warmed once it ends (None: none)
+    state: DocumentPrompt | None = None  # that document's prompt state
 
     @property
     def id(self) -> str:
@@ -143,11 +146,12 @@ class Client:
     these (the compatible routes: one state for all their HTTP clients)."""
 
     def __init__(self, service: CompletionService, key: str, documents: OrderedDict, inflight: InFlight,
-                 windows: WindowCache):
+                 windows: WindowCache, warmer: Warmer | None = None):
         self.service, self.key = service, key
         self.documents: OrderedDict[Hashable, DocumentPrompt] = documents  # least recently used first
         self.inflight = inflight
         self.windows = windows  # the files its documents' retrieval cut, once for all of them
+        self.warmer = warmer or Warmer(service, key)  # its documents' next windows, warmed while idle
 
     @property
     def salt(self) -> str:
@@ -155,7 +159,7 @@ class Client:
         return self.key if self.service.config.server.prefix_cache_scope == "connection" else ""
 
     def sender(self, key: str) -> Client:
-        return Client(self.service, key, self.documents, self.inflight, self.windows)
+        return Client(self.service, key, self.documents, self.inflight, self.windows, self.warmer)
 
     def admit(self, request_id: str, chars: int, supersede: str | None = None, ends_others: bool = True) -> None:
         """Raise Refused unless a request of `chars` (request_chars) may start
@@ -185,11 +189,14 @@ class Client:
 
     def submit(self, request_id: str, document: Document, context: Iterable[ContextItem], options: RequestOptions,
                state: DocumentPrompt, received: float, supersede: str | None = None, ends_others: bool = True,
-               route: str = "ws") -> Flight:
+               route: str = "ws", warm: Hashable | None = None) -> Flight:
         """Build the request (raises EngineError, `internal` where the
         pipeline failed) and queue it in the engine now. `supersede`: the
         document whose requests in flight it ends (unless `ends_others` is
-        False: it joins them); None: it ends none and none ends it."""
+        False: it joins them); None: it ends none and none ends it. `warm`:
+        the document (`state`'s) whose next windows are warmed after it."""
+        if warm is not None:
+            self.warmer.touched(warm)
         options = msgspec.structs.replace(options, cache_salt=self.salt)
         try:
             request = self.service.pipeline.request(request_id, document, context, options, state, arrival=received)
@@ -198,7 +205,7 @@ class Client:
         key = None if supersede is None else f"{self.key}/{supersede}"
         stream = self.service.engine.submit(request, supersede=key, ends_others=ends_others, affinity=self.key)
         self.inflight.add(request_id, supersede, ends_others)
-        return Flight(request, stream, received, route)
+        return Flight(request, stream, received, route, warm, state)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.inflight:
@@ -207,6 +214,7 @@ class Client:
     def cancel_all(self) -> None:
         for request_id in list(self.inflight.document_of):
             self.service.engine.cancel(request_id)
+        self.warmer.close()
 
     def release(self, request_id: str) -> None:
         """Its slot is free (the request ended, or its door gave up on it)."""
@@ -230,6 +238,8 @@ class Client:
             self.release(flight.id)
             if stream.result is None:
                 self.service.engine.cancel(flight.id)
+            elif flight.warm is not None and stream.result.reason != "cancelled":
+                self.warmer.ended(flight.warm, flight.state, self.salt)
 
     def close(self) -> None:
         """The client is gone (its requests ended): the service forgets it."""

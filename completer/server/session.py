@@ -162,7 +162,7 @@ class Session:
             found = self.workspace_files.imported(msg.workspace, msg.document)
             context = self.context_store.candidates(msg.document, msg.context, msg.workspace, found)
             flight = self.client.submit(request_id, msg.document, context, options, state, received,
-                                        supersede=uri, ends_others=msg.supersede)
+                                        supersede=uri, ends_others=msg.supersede, warm=uri)
         except Exception as e:  # never let one request take the connection down
             error = failure(e)
             self.error(msg.id, error.code, str(error))

@@ -165,7 +165,8 @@ class CompatEngine:
         state, _ = sender.document((client, options.priming), retrieval=False)
         self.count += 1
         try:
-            flight = sender.submit(request_id, document, context, options, state, received, route=route)
+            flight = sender.submit(request_id, document, context, options, state, received, route=route,
+                                   warm=None if options.priming else client)
         except EngineError as e:
             raise engine_http_error(e) from None
         return flight, state.prefix_start > 0
