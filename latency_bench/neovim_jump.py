@@ -9,8 +9,8 @@ jumps): the keystroke-to-ghost-text time of the last typed key as the plugin
 measures it (`require('completer').latency()`), p50/p90 with counts, by
 jump kind, and the server's TTFT of those keystrokes.
 
-    python -m latency_bench neovim-jump                       # interactive, fifo; 48 jumps -> docs/results/neovim_jump.json
-    python -m latency_bench neovim-jump --rows interactive --jumps 24 --out /tmp/jump.json
+    python -m latency_bench neovim-jump                       # every row; 48 jumps -> docs/results/neovim_jump.json
+    python -m latency_bench neovim-jump --rows warming --jumps 24 --out /tmp/jump.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.nvim_editor import Editor, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
-ROWS = {"interactive": ("engine.interactive_first=true",), "fifo": ("engine.interactive_first=false",)}
+ROWS = {"warming": ("server.warm_windows=3",),  # the defaults
+        "warming_5": ("server.warm_windows=5",),
+        "no_warming": ("server.warm_windows=0",),
+        "fifo": ("engine.interactive_first=false", "server.warm_windows=0")}
 TYPED = 2
 console = Console(width=160)
 

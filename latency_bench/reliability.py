@@ -44,7 +44,11 @@ SURFACES = [
      "behind is closed (1008)", "test_server_limits, test_server_security"),
     ("compat HTTP port (`/infill`, `/completion`, `/v1/completions`)", "the same checks; every error in the JSON "
      "envelope (aiohttp's parse errors too); `compat.header_timeout_s`, `body_timeout_s`, `idle_timeout_s`, "
-     "`max_connections` (the longest-idle connection makes room)", "test_compat_hardening, fuzz_http"),
+     "`max_connections` (a connection that never sent the token makes room, the first one open past "
+     "`header_timeout_s` first; an authenticated one never while such are open)", "test_compat_hardening, fuzz_http"),
+    ("compat HTTP port's authenticated keep-alive clients", "floods of idle unauthenticated connections past "
+     "`compat.max_connections` never close a client that sent its token; a connection not authenticated within "
+     "`compat.header_timeout_s` is the first to go", "test_compat_hardening"),
     ("compat cache under `prefix_cache_scope = \"connection\"`", "salt and document state per TCP connection: "
      "`cache_n` reveals nothing of another client's prompts", "test_compat_hardening"),
     ("prefill link's rendezvous store (`disagg`)", "on the link's address only; a peer must send the "
@@ -58,6 +62,10 @@ SURFACES = [
      "document)", "test_service, test_retrieval"),
     ("server memory after a connection closes", "its session, documents and retrieval windows freed as it closes "
      "(no reference cycle leaves them to the next full collection)", "test_server_limits"),
+    ("server memory across connections' context", "all connections' context stores and retrieval window "
+     "caches together within `server.context_chars_total` characters; the least recently used (any "
+     "connection's) dropped first, a connection's files in use kept; a closed connection's stop counting",
+     "test_context_memory"),
     ("cached default model", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
     ("Ray cluster on several machines (`completer cluster head`/`join`)", "Ray's token auth on for every node; "
@@ -70,6 +78,11 @@ SURFACES = [
     ("a front door joining a cluster (`cluster.address`)", "refused in one line without the token, with "
      "`RAY_AUTH_MODE` set to anything but `token`, or when the head answers without a token",
      "test_cluster_security"),
+    ("a hung engine replica (`--cluster`; stopped, stuck)", "the front door keeps each request's time whatever "
+     "its replica does: 0.2 s past its deadline it ends `deadline` with the text so far; a cancel or "
+     "superseding keystroke ends it `cancelled` at once (still sent to the replica); a replica silent 1 s while "
+     "it holds a request past its end is stalled and gets no new requests while another is up, until it "
+     "answers again", "test_cluster_hung"),
 ]
 
 
