@@ -69,6 +69,7 @@ class CompletionPipeline:
         self.window = config.model.context_tokens  # prompt and completion
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
+        self.max_deadline_ms = config.server.max_deadline_ms
 
     def document(self, retrieval: bool | None = None, windows: WindowCache | None = None) -> DocumentPrompt:
         """Prompt state for one document: keystrokes re-tokenize only what changed.
@@ -93,7 +94,7 @@ class CompletionPipeline:
             tokens, heal = back_off(self.target.tokenizer, prompt.tokens, prompt.prefix_tokens)
         heal_token = prompt.tokens[-1] if heal else -1
         d = self.defaults
-        deadline_ms = d.deadline_ms if options.deadline_ms is None else options.deadline_ms
+        deadline_ms = min(d.deadline_ms if options.deadline_ms is None else options.deadline_ms, self.max_deadline_ms)
         # A request may ask for more than the default; the window still bounds prompt + completion.
         wanted = d.max_tokens if options.max_tokens is None else options.max_tokens
         max_tokens = min(wanted, self.window - len(tokens))

@@ -157,12 +157,17 @@ class EngineCore:
         self.uncached.pop(request.id, None)  # (estimated while it waited in the inbox)
         if request.id in self.by_id:
             raise EngineError("bad_request", f"request id {request.id!r} is already in flight")
-        if self.scheduler.queue_full:
-            raise EngineError("overloaded", f"{len(self.scheduler.waiting)} requests already waiting")
         if not request.prompt:
             raise EngineError("bad_request", "empty prompt")
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
+        if self.scheduler.queue_full:
+            if (crowding := self.scheduler.crowding(request.client)) is None:
+                raise EngineError("overloaded", f"{len(self.scheduler.waiting)} requests already waiting")
+            # One client's flood does not keep another out: its newest waiting request makes room.
+            self.output.fail(crowding, "overloaded", f"{len(self.scheduler.waiting)} requests already waiting "
+                             "(most of them this client's; another client's took this one's place)")
+            self._drop(crowding)
         seq = self._sequence(request)
         if submitted is not None:
             seq.timings.prepare_ms = (submitted - request.arrival) * 1000

@@ -157,8 +157,11 @@ class Engine:
         False it joins them instead (a speculative request beside the one
         shown), and the next request that ends others ends it too. The engine
         is the one owner of supersede and cancel; call from the event loop's
-        thread. `affinity`: who sent it, for a request without `supersede`
-        (a cluster keeps a sender's requests on one replica; here, unused)."""
+        thread. `affinity`: who sent it (the request's `client`, whom the
+        scheduler shares the engine between; a cluster keeps a sender's
+        requests on one replica)."""
+        if affinity and not request.client:
+            request = msgspec.structs.replace(request, client=affinity)
         stream = RequestStream(request.id)
         self._streams[request.id] = stream
         with self._cond:

@@ -88,6 +88,7 @@ class NgramProposer:
 
 
 BULK_CATCH_UP = 256  # the longest catch-up the drafter makes for a bulk sequence
+CATCH_UP_CHUNK = 256  # tokens a row in one catch-up pass (a deadline is checked between them)
 
 
 class DraftModelProposer:
@@ -108,12 +109,31 @@ class DraftModelProposer:
             return 0
         return limit
 
+    def _catch_up(self, seqs: list[Sequence], rows: dict[str, list[int]]) -> list[Sequence]:
+        """Feed the drafter what it has not seen in passes of at most
+        CATCH_UP_CHUNK tokens a row (a whole prompt in one pass would hold
+        every request in it for as long), leaving out between passes the
+        sequences past their deadline (they draft nothing; the core ends them
+        after this step's verify pass). Returns the sequences that draft."""
+        while long := [s for s in seqs if len(rows[s.id]) > CATCH_UP_CHUNK]:
+            started = time.perf_counter()
+            batch = [rows[s.id][:CATCH_UP_CHUNK] for s in long]
+            self.kv.allocate("draft", long, batch)
+            self.runner.execute([s.kv["draft"] for s in long], batch, last_only=True, interrupted=self.interrupted)
+            took = time.perf_counter() - started
+            for seq in long:
+                rows[seq.id] = rows[seq.id][CATCH_UP_CHUNK:]
+                seq.timings.draft_ms += took * 1000
+            now = time.perf_counter()
+            seqs = [s for s in seqs if s.deadline is None or now <= s.deadline]
+        return seqs
+
     def propose(self, work: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
         """Each row first feeds whatever accepted tokens the drafter's cache has not seen."""
         rows = {s.id: s.tokens[s.kv["draft"].computed:] for s, _ in work}
         drafted: dict[str, list[int]] = {s.id: [] for s, _ in work}
         probs: dict[str, list[torch.Tensor]] = {s.id: [] for s, _ in work}
-        active = [s for s, _ in work]
+        active = self._catch_up([s for s, _ in work], rows)
         want = {s.id: k for s, k in work}
         while active:
             started = time.perf_counter()

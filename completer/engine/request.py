@@ -57,6 +57,9 @@ class Request(msgspec.Struct, frozen=True):
     # Warming (max_tokens 0): the window an open document's next jump may
     # take, prefilled while nothing else waits; the last of all bulk work.
     warm: bool = False
+    # Who sent it (a connection; Engine.submit sets it from its `affinity`):
+    # admission and prefill share the engine between clients (scheduler.py).
+    client: str = ""
 
 
 class Timings(msgspec.Struct):

@@ -18,8 +18,11 @@ one warm prompt admitted at a time, and is never given a starved slice.
 
 Requests are admitted while their worst case fits in every pool beside the
 running sequences' (so decoding never runs out of blocks) and fewer than
-`max_running` run: in arrival order, and with interactive_first a request
-that does not fit does not hold back the ones behind it. Sequences past
+`max_running` run: in turns across clients (the one holding fewest running
+first), in arrival order within a client's; with interactive_first a
+request that does not fit does not hold back the ones behind it. Interactive
+prefill is planned in turns across clients too, the shortest first within a
+turn: one client's flood never takes another's keystroke's place. Sequences past
 their deadline are handed back to be finished, here and between a step's
 passes. With interactive_first off: first come, first served, `prefill_chunk`
 tokens a step over every prompt.
@@ -27,7 +30,7 @@ tokens a step over every prompt.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple, Protocol
 
 from completer.engine.config import EngineConfig
@@ -63,6 +66,20 @@ def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequenc
             groups.append([(seq, n)])
             total = n
     return groups
+
+
+def by_turns(seqs: list[Sequence], held: Counter | None = None, key=None) -> list[Sequence]:
+    """`seqs` in turns across their clients (`Request.client`): every
+    client's first before any client's second, a client counted as already
+    holding `held[client]` turns; within a turn by `key` (else in order). So
+    one client's flood of prompts, however early, never comes before another
+    client's one keystroke."""
+    turn, ranked = Counter(held or ()), []
+    for i, seq in enumerate(seqs):
+        client = seq.request.client
+        ranked.append((turn[client], key(seq) if key else 0, i, seq))
+        turn[client] += 1
+    return [seq for *_, seq in sorted(ranked, key=lambda r: r[:3])]
 
 
 class PrefillConnector(Protocol):
@@ -104,6 +121,16 @@ class Scheduler:
     def queue_full(self) -> bool:
         return len(self.waiting) >= self.config.max_queue
 
+    def crowding(self, client: str) -> Sequence | None:
+        """With the queue full: the newest waiting request of the client that
+        holds most of it, if that client would still hold more than `client`
+        once it joined (it gives way); else None (`client` is refused)."""
+        counts = Counter(s.request.client for s in self.waiting)
+        top, most = counts.most_common(1)[0] if counts else (client, 0)
+        if top == client or most <= counts[client] + 1:
+            return None
+        return next(s for s in reversed(self.waiting) if s.request.client == top)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -138,13 +165,13 @@ class Scheduler:
         expired = self.expire(now)
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
-        for seq in self.running:
-            if seq.status not in (Status.PREFILL, Status.REMOTE) or not (left := seq.prefill_left) or seq.bulk:
-                continue
+        ready = [s for s in self.running if s.status in (Status.PREFILL, Status.REMOTE) and s.prefill_left
+                 and not s.bulk]
+        for seq in by_turns(ready, key=lambda s: s.prefill_left):
             if budget <= 0:
                 break
             prefill.append((seq, budget))  # the drafter keeps pace within the same budget
-            budget -= min(budget, left)
+            budget -= min(budget, seq.prefill_left)
         if prefill:
             return StepPlan(expired, prefill)
         return self._bulk_plan(now, expired)
@@ -190,7 +217,7 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         warming = any(s.request.warm for s in self.running)
-        for seq in list(self.waiting):
+        for seq in by_turns(list(self.waiting), Counter(s.request.client for s in self.running)):
             if len(self.running) >= self.config.max_running:
                 return
             if seq.request.warm and warming:

@@ -76,7 +76,7 @@ class Warmer:
         for i, head in enumerate(heads):
             request = Request(f"warm{next(_serial)}", head, SamplingParams(max_tokens=0, deadline_s=WARM_DEADLINE_S),
                               cache_salt=salt, warm=True)
-            streams.append(engine.submit(request, supersede=supersede, ends_others=i == 0))
+            streams.append(engine.submit(request, supersede=supersede, ends_others=i == 0, affinity=self.key))
         self.sent[document] = [s.id for s in streams]
         for stream in streams:
             try:
