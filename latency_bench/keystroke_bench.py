@@ -91,6 +91,8 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
                          "engine.interrupt_superseded=false", "engine.reuse_moved_kv=false", "engine.block_size=16"),
     # Interactive work first (#42): off, first come, first served (primes and cold files beside keystrokes).
     "fifo": (KV, "engine.interactive_first=false"),
+    # Warming (#42): the windows a document's next jump may take, prefilled while idle; off.
+    "no_warming": (KV, "server.warm_windows=0"),
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
     # other core; the engine keeps one. The threshold is below the window so it can.
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
