@@ -13,15 +13,41 @@ The extension is compiled with -march=native into the completer cache
 (keyed by the source, torch, Python and this CPU's flags), so the first start
 on a machine spends some seconds in the C++ compiler; without one,
 `extension()` raises FusedUnavailable and the engine runs torch's ops.
+
+The cache is code this process runs, so it is checked before anything in it
+is loaded (issue #43):
+- its folders are made 0700; one owned by another user, writable by group or
+  others, or a symbolic link is refused (a warning names it) and the layer is
+  built in a fresh private folder (mkdtemp) instead;
+- builders take `build.lock` (flock, so a holder that died holds nothing; the
+  file names its pid and start) before touching the folder; a wait ends after
+  $COMPLETER_KERNEL_BUILD_TIMEOUT_S (default 600 s, counted from the
+  holder's start), then the layer is built in a private folder; a torch
+  `lock` left by a killed build is removed; `stop_waiting()` (the server's
+  SIGTERM) ends a wait at once;
+- the built .so's size and sha256 go to a sidecar (`completer_cpu_decode.so.sha256`,
+  written atomically after the build) and are compared before every load: a
+  .so that does not match (truncated, damaged, swapped) is deleted with the
+  build's other outputs and rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
+import json
+import logging
 import os
 import platform
+import shutil
+import stat
 import sys
+import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,12 +57,25 @@ HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_gemm.h", "cpu_attenti
 QK = 32  # weights per Q4_1 block
 PAIR_BYTES = 40  # two blocks: fp16 scales, fp16 minimums, 32 bytes of nibbles
 
+MODULE = "completer_cpu_decode"
+SO_NAME = f"{MODULE}.so"
+RECORD_NAME = f"{SO_NAME}.sha256"  # the sidecar: {"size": bytes, "sha256": hex} of the .so built here
+LOCK_NAME = "build.lock"
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's own lock file (it waits on it without end)
+DEFAULT_BUILD_TIMEOUT_S = 600.0
+
+log = logging.getLogger("completer.kernels")
 _lock = threading.Lock()
 _built: dict[str, object] = {}
+_stopping = threading.Event()
 
 
 class FusedUnavailable(RuntimeError):
     """The fused layer cannot be built or used here (one line: why)."""
+
+
+class StoppedWaiting(FusedUnavailable):
+    """A wait for another process's build ended by `stop_waiting()` or the caller's `cancel` (not remembered)."""
 
 
 def _cpu_flags() -> str:
@@ -57,26 +96,235 @@ def build_directory() -> Path:
     return cache_dir() / "kernels" / f"cpu_decode-{key}"
 
 
+def build_timeout_s() -> float:
+    """How long a start waits for another process's build ($COMPLETER_KERNEL_BUILD_TIMEOUT_S)."""
+    try:
+        return max(0.0, float(os.environ.get("COMPLETER_KERNEL_BUILD_TIMEOUT_S", DEFAULT_BUILD_TIMEOUT_S)))
+    except ValueError:
+        return DEFAULT_BUILD_TIMEOUT_S
+
+
+def stop_waiting() -> None:
+    """End a wait for another process's build now (the server is stopping):
+    that `extension()` raises FusedUnavailable. For the rest of the process."""
+    _stopping.set()
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why `path` may not hold code this process loads, or None: it must be a
+    directory (not a symbolic link) this user owns that neither group nor
+    others can write."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_folder(path: Path) -> str | None:
+    """`path` and the folder above it made 0700 where missing (the cache's
+    own folders above as usual), then checked: None, or the problem."""
+    for folder in (path.parent, path):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        if problem := folder_problem(folder):
+            return f"{folder} {problem}"
+    return None
+
+
+def _sha256(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def so_problem(folder: Path) -> str | None:
+    """Why the .so in `folder` may not be loaded, or None: it must be a
+    regular file whose size and sha256 are the sidecar's."""
+    so, record = folder / SO_NAME, folder / RECORD_NAME
+    try:
+        st = os.lstat(so)
+        if not stat.S_ISREG(st.st_mode):
+            return f"{so} is not a regular file"
+        try:
+            want = json.loads(record.read_text())
+            size, digest = int(want["size"]), str(want["sha256"])
+        except FileNotFoundError:
+            return f"{so} has no record of its build ({RECORD_NAME})"
+        except (ValueError, KeyError, TypeError):
+            return f"{record} is damaged"
+        if st.st_size != size:
+            return f"{so} is {st.st_size} bytes, {size} when built"
+        if _sha256(so)[1] != digest:
+            return f"{so}'s sha256 is not its build's"
+    except FileNotFoundError:
+        return f"{so} is missing"
+    except OSError as e:
+        return f"{so} cannot be read ({e.strerror or e})"
+    return None
+
+
+def _write_record(folder: Path) -> None:
+    """The sidecar, atomically: a temporary file beside it, fsynced, renamed."""
+    size, digest = _sha256(folder / SO_NAME)
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{RECORD_NAME}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"size": size, "sha256": digest}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, folder / RECORD_NAME)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _clear(folder: Path) -> None:
+    """The build's outputs gone (the record first: a .so without one is never loaded); the lock stays."""
+    for name in (RECORD_NAME, *sorted(os.listdir(folder))):
+        if name == LOCK_NAME:
+            continue
+        path = folder / name
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _holder(path: Path) -> str:
+    """The lock's holder as its file says: 'pid N (for S s)'."""
+    try:
+        pid, since = path.read_text().split()[:2]
+        return f"pid {int(pid)} (for {time.time() - float(since):.0f} s)"
+    except (OSError, ValueError):
+        return "another process"
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, cancel: threading.Event | None) -> Iterator[bool]:
+    """`folder`'s build lock held meanwhile (True), or False once the wait
+    passed `build_timeout_s()`, counted from the holder's start as its lock
+    file says (a holder that died holds nothing: the lock is an flock). Polls,
+    so `cancel` or `stop_waiting()` ends the wait (FusedUnavailable)."""
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        bound, began, said = build_timeout_s(), time.time(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            try:
+                since = float(path.read_text().split()[1])
+            except (OSError, ValueError, IndexError):
+                since = began
+            now = time.time()
+            if now - since >= bound or now - began >= bound:  # a holder hung, or past our own bound
+                log.warning("the fused CPU layer's build lock %s has been held by %s, past the %.0f s bound",
+                            path, _holder(path), bound)
+                yield False
+                return
+            if not said:
+                log.info("waiting for %s to finish building the fused CPU layer in %s", _holder(path), folder)
+                said = True
+            if _stopping.wait(0.1) or (cancel is not None and cancel.wait(0.1)):
+                raise StoppedWaiting("stopped while waiting for another process's build of the fused CPU layer")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {time.time():.3f}\n".encode(), 0)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _import(folder: Path):
+    spec = importlib.util.spec_from_file_location(MODULE, folder / SO_NAME)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_and_load(folder: Path):
+    """The .so checked and loaded from `folder`, built there first when it
+    is missing or does not match its record; the caller holds the lock."""
+    if (problem := so_problem(folder)) is None:
+        return _import(folder)
+    if (folder / SO_NAME).exists() or (folder / RECORD_NAME).exists():
+        log.warning("the fused CPU layer: %s; rebuilding it", problem)
+    _clear(folder)  # (with a torch baton a killed build left: every builder holds the lock)
+    from torch.utils import cpp_extension
+
+    # (torch renames a second build in one process `_v1`: this one is always SO_NAME.)
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(MODULE, None)
+    module = cpp_extension.load(name=MODULE, sources=[str(SOURCE)], build_directory=str(folder),
+                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                verbose=bool(os.environ.get("COMPLETER_VERBOSE_BUILD")))
+    _write_record(folder)
+    return module
+
+
+def _load(cancel: threading.Event | None):
+    folder = build_directory()
+    if (problem := _private_folder(folder)) is not None:
+        private = Path(tempfile.mkdtemp(prefix="completer-kernels-"))
+        log.warning("the kernel cache %s: nothing is loaded from it; building the fused CPU layer in %s "
+                    "(make it 0700 and yours, or remove it)", problem, private)
+        return _load_private(private)
+    with _build_lock(folder, cancel) as held:
+        if held:
+            return _build_and_load(folder)
+    private = Path(tempfile.mkdtemp(prefix="completer-kernels-"))
+    log.warning("building the fused CPU layer in %s instead", private)
+    return _load_private(private)
+
+
+def _load_private(private: Path):
+    try:
+        return _build_and_load(private)
+    finally:  # (the module stays mapped)
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def built() -> bool:
-    """Whether this machine already has the compiled module (a start then loads it in a moment)."""
-    return "module" in _built or (build_directory() / "completer_cpu_decode.so").is_file()
+    """Whether this machine already has the compiled module, checked (a start then loads it in a moment)."""
+    if "module" in _built:
+        return True
+    try:
+        folder = build_directory()
+        return folder_problem(folder.parent) is None and folder_problem(folder) is None and so_problem(folder) is None
+    except OSError:
+        return False
 
 
-def extension():
-    """The compiled module (cached in-process and on disk)."""
+def extension(cancel: threading.Event | None = None):
+    """The compiled module (cached in-process and on disk, checked before it
+    is loaded). `cancel`: set, a wait for another process's build ends."""
     with _lock:
         if "module" in _built:
             return _built["module"]
         if "error" in _built:
             raise FusedUnavailable(_built["error"])
         try:
-            from torch.utils import cpp_extension
-
-            out = build_directory()
-            out.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(
-                name="completer_cpu_decode", sources=[str(SOURCE)], build_directory=str(out),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=bool(os.environ.get("COMPLETER_VERBOSE_BUILD")))
+            module = _load(cancel)
+        except StoppedWaiting:
+            raise
+        except FusedUnavailable as e:
+            _built["error"] = str(e)
+            raise
         except Exception as e:  # no compiler, no ninja, a compile error: the torch path serves
             text = f"{e}\n{e.__cause__ or ''}".strip().splitlines() or [type(e).__name__]
             first = next((line for line in text if "error:" in line), text[-1])

@@ -31,6 +31,7 @@ from completer.model import Transformer
 
 
 log = logging.getLogger("completer.engine")
+_warned: set[str] = set()  # fallbacks said at WARNING (once each per process)
 
 
 class FusedUnsupported(ValueError):
@@ -49,6 +50,8 @@ class FusedCpuLayers:
         cfg = model.config
         if model.inv_freq.device.type != "cpu":
             raise FusedUnsupported("the fused layer runs on CPU only")
+        if not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):  # (before building it)
+            raise FusedUnsupported("the fused layer takes int4 or int8 projections, not a float model")
         ext = extension()  # FusedUnavailable: no compiler here
         self.model = model
         self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -143,6 +146,15 @@ def fused_layers_for(model: Transformer, q8: bool = False, threads: int = 0) -> 
         try:
             built[key] = FusedCpuLayers(model, q8, threads)
         except (FusedUnsupported, FusedUnavailable) as e:
-            log.info("engine: passes run through torch's ops: %s", e)
+            # The layer not built, or an int4 model (the CPU default) it cannot run: keystrokes ~10x slower
+            # (issue #43: 33 -> 362 ms a line), said once at WARNING (the console's level) and in /metrics
+            # (completer_fused_cpu_active 0). Float models (and int8 off VNNI) run through torch by design.
+            expected = isinstance(e, FusedUnavailable) or any(isinstance(m, Int4Linear) for m in model.modules())
+            if not expected:
+                log.info("engine: passes run through torch's ops: %s", e)
+            elif str(e) not in _warned:
+                _warned.add(str(e))
+                log.warning("engine: the fused CPU layer is not used, passes run through torch's ops "
+                            "(slower): %s", e)
             built[key] = None
     return built[key]

@@ -81,6 +81,8 @@ class App:
         s = self.engine_start
         self.target, self.draft, self.cluster = s.target, s.draft, s.cluster
         self.service.attach(CompletionPipeline(self.target, self.config), engine, self.target, self.draft)
+        core = getattr(engine, "core", None)  # (none under `--cluster`: the replicas' engines)
+        self.metrics.fused_cpu.set(int(core is not None and core.runners["target"].fused is not None))
         self.engine = engine
 
     # -- HTTP ------------------------------------------------------------------
@@ -228,6 +230,8 @@ class App:
                 loading = asyncio.create_task(self.start_engine())
                 stopped = asyncio.create_task(stop.wait())
                 await asyncio.wait([loading, stopped], return_when=asyncio.FIRST_COMPLETED)
+                if not loading.done():  # stopped mid-start: no thread of it waits on another process
+                    self.engine_start.stopping.set()
                 if loading.done() and loading.exception() is not None:
                     self.progress.fail()
                     self.engine_start.stop_workers()

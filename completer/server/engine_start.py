@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from typing import TYPE_CHECKING
 
 from completer.checkpoint import CheckpointError
@@ -37,6 +38,8 @@ class EngineStart:
         self.draft: LoadedModel | None = None
         self.cluster: LinkedEngine | None = None  # the engine, under `--cluster`
         self.local_workers: list = []  # disagg.local_workers.LocalWorker
+        # Set when the server stops mid-start: a wait for another process's build of the fused layer ends.
+        self.stopping = threading.Event()
 
     def load_models(self) -> None:
         """Load target and drafter (raises CheckpointError naming the problem)."""
@@ -117,11 +120,14 @@ class EngineStart:
                 raise CheckpointError(str(e)) from None
         loop = asyncio.get_running_loop()
         if self.config.engine.fused_cpu and self.target.precision in ("int4", "int8") \
-                and self.config.model.device == "cpu" \
-                and not cpu_decode.built():
-            self.progress.enter("starting the engine", "compiling the fused CPU layer (once on this machine)")
+                and self.config.model.device == "cpu":
+            # Here, not in the engine's build: a wait for another process's build of it ends with the server.
+            self.progress.enter("starting the engine", "loading the fused CPU layer" if cpu_decode.built()
+                                else "compiling the fused CPU layer (once on this machine)")
             with contextlib.suppress(cpu_decode.FusedUnavailable):  # said once, where the engine is built
-                await asyncio.to_thread(cpu_decode.extension)
+                await asyncio.to_thread(cpu_decode.extension, self.stopping)
+            if self.stopping.is_set():  # (a wait for another process's build, ended by SIGTERM)
+                raise asyncio.CancelledError
         self.progress.enter("starting the engine", "calibrating speculation")
 
         def build() -> Engine:  # the pools' allocation and the calibration passes take seconds
