@@ -78,6 +78,17 @@ SURFACES = [
     ("a front door joining a cluster (`cluster.address`)", "refused in one line without the token, with "
      "`RAY_AUTH_MODE` set to anything but `token`, or when the head answers without a token",
      "test_cluster_security"),
+    ("the fused CPU layer's kernel cache", "folders 0700; a .so in a folder another user owns or group/others "
+     "can write is never loaded (one WARNING, built in a private folder); size and sha256 recorded at build and "
+     "checked before each load (a truncated or damaged .so rebuilt, no bus error); a lock left by a killed build "
+     "taken over, a live holder waited on at most `COMPLETER_KERNEL_BUILD_TIMEOUT_S`, SIGTERM ends the wait; a "
+     "fallback to torch's ops said at WARNING and in `/metrics` (`completer_fused_cpu_active`)",
+     "test_kernel_cache"),
+    ("one client's flood beside another's keystrokes", "admission and interactive prefill in turns across "
+     "connections (the one running fewest first, the shortest prompt first within a turn); a full queue makes "
+     "room for another client from the newest of the one holding most; deadlines cut to "
+     "`server.max_deadline_ms`; the drafter's catch-up in 256-token passes with deadlines checked between them",
+     "test_fairness"),
     ("a hung engine replica (`--cluster`; stopped, stuck)", "the front door keeps each request's time whatever "
      "its replica does: 0.2 s past its deadline it ends `deadline` with the text so far; a cancel or "
      "superseding keystroke ends it `cancelled` at once (still sent to the replica); a replica silent 1 s while "
