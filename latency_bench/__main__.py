@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "disagg": ("disagg_bench", "typing editors beside cold long-file opens, disaggregation off and on"),
     "window": ("window_bench", "first-line exact match by prompt window size, same sites, and a cold prompt's cost"),
     "jump-quality": ("jump_quality", "first-line exact match after a jump: K/V reused, moved and warmed, or recomputed"),
+    "llama-vim": ("llama_vim", "the same jumps with the real llama.vim on our /infill (--llama-vim PATH: a checkout)"),
     "neovim-jump": ("neovim_jump", "keystroke to ghost text after jumps in a real Neovim, plugin defaults, edits kept"),
     "bulk": ("bulk_bench", "one typing editor beside another's long file opens: keystrokes before bulk work or not"),
     "cluster-replay": ("cluster_replay", "the keystroke replay through one process and Ray Serve replicas"),

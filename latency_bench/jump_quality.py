@@ -43,7 +43,12 @@ console = Console(width=140)
 ROWS = {  # name: (engine settings, warm heads after the request before the jump)
     "recompute": ({"prefix_cache": False, "reuse_moved_kv": False}, 0),
     "reuse": ({}, 0),
-    "reuse_and_warming": ({}, 3),
+    "reuse_and_warming": ({}, 3),  # the defaults
+    "warming_no_moved": ({"reuse_moved_kv": False}, 3),
+    # Where the texts differ from a recompute: the last tokens' pass (the fused CPU layer's 8-bit
+    # activations) rather than the reuse? The same with fp32 activations.
+    "warming_fp32_acts": ({"fused_cpu_q8": False}, 3),
+    "recompute_fp32_acts": ({"prefix_cache": False, "reuse_moved_kv": False, "fused_cpu_q8": False}, 0),
 }
 LINE = RequestOptions(max_tokens=48, mode="line")
 
