@@ -1,6 +1,7 @@
 """One client's warming: once a request on a document has ended and the
-client sent nothing more for that document within `server.warm_after_ms`,
-the windows its next jump may take (`completer.warming.warm_heads`) go to
+client sent nothing more for that document within `server.warm_after_ms`
+(and twice its usual gap between keystrokes there), and the engine has
+nothing running or waiting, the windows its next jump may take (`completer.warming.warm_heads`) go to
 the engine as `warm` requests: prefilled only while no other work waits,
 a layer at a time, preempted by any keystroke (engine/scheduler.py). A newer
 set for the document replaces the one in flight; their K/V is the prefix
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Hashable
 from typing import Protocol
 
@@ -29,6 +31,7 @@ class Service(Protocol):
     engine: object  # its `submit` and `cancel`; None while loading
     stopping: bool
 
+TYPING_GAP_S = 1.0  # gaps between a document's requests longer than this are pauses, not its typing rhythm
 WARM_DEADLINE_S = 60.0  # a warm set still waiting this long is stale: the user has moved on
 _serial = itertools.count(1)
 
@@ -40,6 +43,8 @@ class Warmer:
         self.sent: dict[Hashable, list[str]] = {}  # document -> its warm requests in flight
         self.tasks: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
         self.closed = False
+        # document -> (when its last request came, the average gap between its requests under TYPING_GAP_S)
+        self.rhythm: dict[Hashable, tuple[float | None, float]] = {}
 
     @property
     def windows(self) -> int:
@@ -47,20 +52,41 @@ class Warmer:
 
     def touched(self, document: Hashable) -> None:
         """A request for `document` starts: a plan not yet sent is called off
-        (the request's end makes a new one, for the document as it then is)."""
+        (the request's end makes a new one, for the document as it then is),
+        and the client's rhythm on it is noted."""
+        self._call_off(document)
+        now = time.monotonic()
+        last, rhythm = self.rhythm.get(document, (None, 0.0))
+        if last is not None and (gap := now - last) < TYPING_GAP_S:
+            rhythm = gap if rhythm == 0.0 else 0.3 * gap + 0.7 * rhythm
+        self.rhythm[document] = (now, rhythm)
+        while len(self.rhythm) > 64:
+            del self.rhythm[next(iter(self.rhythm))]
+
+    def _call_off(self, document: Hashable) -> None:
         if (plan := self.pending.pop(document, None)) is not None:
             plan.cancel()
 
     def ended(self, document: Hashable, state: DocumentPrompt, salt: str) -> None:
-        """A request for `document` ended: warm its next windows once the client pauses."""
+        """A request for `document` ended: warm its next windows once the
+        client pauses, for `server.warm_after_ms` and twice its usual gap
+        between requests on the document (typing is not a pause)."""
         if self.windows <= 0 or self.closed or self.service.engine is None or self.service.stopping:
             return
-        self.touched(document)
-        delay = self.service.config.server.warm_after_ms / 1000
+        self._call_off(document)
+        delay = max(self.service.config.server.warm_after_ms / 1000, 2 * self.rhythm.get(document, (0, 0.0))[1])
+        self._arm(document, state, salt, delay)
+
+    def _arm(self, document: Hashable, state: DocumentPrompt, salt: str, delay: float) -> None:
         self.pending[document] = asyncio.get_running_loop().call_later(
             delay, lambda: self._plan(document, state, salt))
 
     def _plan(self, document: Hashable, state: DocumentPrompt, salt: str) -> None:
+        live = getattr(self.service.engine, "live", None)
+        if live is not None and ((now := live()).running or now.waiting):
+            # Busy: warming is for an idle engine (planning it costs the busy one too); ask again later.
+            self._arm(document, state, salt, max(0.05, self.service.config.server.warm_after_ms / 1000))
+            return
         self.pending[document] = task = asyncio.create_task(self._send(document, state, salt))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
