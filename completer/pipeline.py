@@ -69,7 +69,9 @@ class CompletionPipeline:
         self.window = config.model.context_tokens  # prompt and completion
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
-        self.max_deadline_ms = config.server.max_deadline_ms
+        # (The server's own defaults are never cut: a config may set them past the cap.)
+        self.max_deadline_ms = max(config.server.max_deadline_ms, self.defaults.deadline_ms,
+                                   self.defaults.first_deadline_ms)
 
     def document(self, retrieval: bool | None = None, windows: WindowCache | None = None) -> DocumentPrompt:
         """Prompt state for one document: keystrokes re-tokenize only what changed.
