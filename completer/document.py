@@ -66,7 +66,6 @@ class DocumentPrompt:
         self.prefix_ids: list[int] = []
         self.prefix_offsets: list[int] = []  # char offset in prefix_text where each token starts
         self.retokenized_chars = 0  # chars tokenized by the last update (for tests and metrics)
-        self.text = ("", "")  # the last update's prefix and suffix (warming reads the document from them)
         self.prefix_budget = 0  # the last update's tokens for the prefix
 
     def _encode(self, text: str, base: int = 0) -> tuple[list[int], list[int]]:
@@ -95,7 +94,7 @@ class DocumentPrompt:
 
         overhead = len(b.assemble([], [], []))
         budget = b.budget - len(self.context) - len(self.suffix_ids) - overhead
-        self.text, self.prefix_budget = (prefix, suffix), budget
+        self.prefix_budget = budget
         if not self._extend_prefix(prefix, budget):
             self.prefix_start, _ = b.fit_prefix(prefix, budget)
             self.prefix_text = prefix[self.prefix_start:]

@@ -29,12 +29,12 @@ from completer.document import DocumentPrompt
 LINE_STEP, REACH_LINES = 4, 64
 
 
-def warm_heads(state: DocumentPrompt, count: int) -> list[list[int]]:
-    """Up to `count` prompt heads for the document's last update, nearest first."""
+def warm_heads(state: DocumentPrompt, count: int, prefix: str, suffix: str) -> list[list[int]]:
+    """Up to `count` prompt heads for the document's last update (`prefix`
+    and `suffix`: the text it was given), nearest first."""
     b = state.builder
     if count <= 0 or state.prefix_start < 0 or b.head([], []) is None:
         return []
-    prefix, suffix = state.text
     full, budget, start = prefix + suffix, state.prefix_budget, state.prefix_start
     encode = b.tok.tokenizer.encode
     # The window as it stands, on to its budget: its tokens up to the last

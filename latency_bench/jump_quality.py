@@ -66,7 +66,7 @@ def jumps_from(picks, seed: int) -> list[int]:
 
 async def row(name: str, target, draft, picks, froms: list[int], window: int) -> dict:
     settings, heads = ROWS[name]
-    config = Config(model=ModelSection(context_tokens=window), request=RequestSection(deadline_ms=600_000),
+    config = Config(model=ModelSection(context_tokens=window), request=RequestSection(deadline_ms=60_000),
                     engine=EngineConfig(**settings), spec=SpecConfig(draft_model=draft is not None))
     texts, computed, timings = [], [], []
     async with LocalCompleter(target, draft, config) as local:
@@ -74,7 +74,7 @@ async def row(name: str, target, draft, picks, froms: list[int], window: int) ->
             uri = Path("/", f.path).as_uri()
             state = local.pipeline.document()
             await local.stream(Document(uri, f.text[:before], f.text[before:]), options=LINE, state=state).finished()
-            for n, head in enumerate(warm_heads(state, heads)):
+            for n, head in enumerate(warm_heads(state, heads, f.text[:before], f.text[before:])):
                 await local.engine.submit(Request(f"warm{i}.{n}", head, SamplingParams(max_tokens=0),
                                                   warm=True)).finished()
             done = await local.stream(Document(uri, f.text[:cursor], f.text[end:]), options=LINE,

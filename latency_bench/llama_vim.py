@@ -15,7 +15,6 @@ extmark in its `vt_fim` namespace) is on the cursor's line, polled every
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import subprocess
 import sys
@@ -24,40 +23,25 @@ import time
 from pathlib import Path
 
 import msgspec
-import pynvim
 from rich.console import Console
 from rich.table import Table
 
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.neovim_jump import TYPED, files, jumps, ranks
-from latency_bench.nvim_editor import keys, nvim_build, wait_until
+from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
 ROWS = {"warming": ("server.warm_windows=3",), "no_warming": ("server.warm_windows=0",)}
 console = Console(width=140)
 
 
-class LlamaVim:
+class LlamaVim(Editor):
     """`nvim --headless` with llama.vim on its runtimepath, talking to `endpoint`."""
 
     def __init__(self, workdir: Path, plugin: Path, endpoint: str):
-        build = nvim_build("modern")
-        self.sock = str(workdir / "nvim.sock")
         config = f"let g:llama_config = {{'endpoint_fim': '{endpoint}', 'api_key': '{TOKEN}'}}"
-        self.proc = subprocess.Popen(
-            [build.binary, "--headless", "--listen", self.sock, "-u", "NONE", "-i", "NONE", "-n",
-             "--cmd", f"set rtp^={plugin} noswapfile shortmess+=I", "--cmd", config,
-             "--cmd", f"source {plugin}/plugin/llama.vim"],
-            cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, **build.env})
-        self.nvim = wait_until(self._attach, 10, what="nvim's socket")
-
-    def _attach(self):
-        assert self.proc.poll() is None, "nvim exited"
-        try:
-            return pynvim.attach("socket", path=self.sock) if os.path.exists(self.sock) else None
-        except OSError:
-            return None
+        super().__init__(workdir, nvim_build("modern"), plugin=[f"set rtp^={plugin} noswapfile shortmess+=I", config,
+                                                                f"source {plugin}/plugin/llama.vim"])
 
     def ghost_on(self, row: int) -> bool:
         ns = self.nvim.api.get_namespaces().get("vt_fim")
@@ -65,9 +49,6 @@ class LlamaVim:
             return False
         marks = self.nvim.api.buf_get_extmarks(0, ns, [row, 0], [row, -1], {"details": True})
         return any("".join(c[0] for c in m[3].get("virt_text", [])).strip() for m in marks)
-
-    def tick(self) -> int:
-        return self.nvim.api.buf_get_changedtick(0)
 
     def retype_after_jump(self, row: int, count: int, pause) -> float | None:
         """As `Editor.retype_after_jump`; the ms from the last key sent to its ghost text (None: none in 5 s)."""
@@ -88,17 +69,6 @@ class LlamaVim:
         except AssertionError:
             return None
         return (time.perf_counter() - sent) * 1000
-
-    def close(self) -> None:
-        try:
-            self.nvim.command("qa!", async_=True)
-            self.nvim.close()
-        finally:
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:

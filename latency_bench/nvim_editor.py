@@ -99,12 +99,14 @@ def wait_until(check, timeout: float = 20.0, interval: float = 0.02, what: str =
 class Editor:
     """One `nvim --headless --listen SOCKET` with the plugin on its runtimepath."""
 
-    def __init__(self, workdir: Path, build: NvimBuild, env: dict | None = None):
+    def __init__(self, workdir: Path, build: NvimBuild, env: dict | None = None, plugin: list[str] | None = None):
+        """`plugin`: the commands that load a plugin (default: ours; latency_bench/llama_vim.py loads llama.vim)."""
         self.sock = str(workdir / "nvim.sock")
         self.stderr = open(workdir / "nvim.stderr", "w+")
+        plugin = plugin or [f"set rtp^={PLUGIN} noswapfile shortmess+=I", f"source {PLUGIN}/plugin/completer.lua"]
         self.proc = subprocess.Popen(
             [build.binary, "--headless", "--listen", self.sock, "-u", "NONE", "-i", "NONE", "-n",
-             "--cmd", f"set rtp^={PLUGIN} noswapfile shortmess+=I", "--cmd", f"source {PLUGIN}/plugin/completer.lua"],
+             *(arg for cmd in plugin for arg in ("--cmd", cmd))],
             cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
             env={**os.environ, **build.env, **(env or {})})
         self.nvim = wait_until(self._attach, 10, what="nvim's socket")

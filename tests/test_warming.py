@@ -62,7 +62,7 @@ def test_a_jump_of_up_to_40_lines_builds_a_prompt_that_one_of_5_warm_heads_holds
         state = DocumentPrompt(PromptBuilder(code_tok, template, 1600))
         cursor = starts[row] + len(lines[row]) // 2
         before = state.update(text[:cursor], text[cursor:], "pkg/mod.py", CONTEXT).tokens
-        heads = warm_heads(state, 5)
+        heads = warm_heads(state, 5, text[:cursor], text[cursor:])
         assert 1 <= len(heads) <= 5
         for jump in (5, 20, 40):
             for to in (row - jump, row + jump):
@@ -82,10 +82,11 @@ def test_no_heads_for_spm_prompts_nor_when_turned_off(code_tok):
     state = DocumentPrompt(PromptBuilder(code_tok, get_template("default"), 400))  # SPM: the suffix comes first
     text = source_text()
     state.update(text[:5000], text[5000:], "pkg/mod.py")
-    assert warm_heads(state, 3) == []
+    assert warm_heads(state, 3, text[:5000], text[5000:]) == []
     state = DocumentPrompt(PromptBuilder(code_tok, get_template("prefix"), 400))
     state.update(text[:5000], text[5000:], "pkg/mod.py")
-    assert warm_heads(state, 0) == [] and len(warm_heads(state, 2)) == 2
+    assert warm_heads(state, 0, text[:5000], text[5000:]) == []
+    assert len(warm_heads(state, 2, text[:5000], text[5000:])) == 2
 
 
 def test_warming_runs_after_all_other_bulk_work_and_never_gets_a_starved_slice(models, tokenizer):
@@ -178,3 +179,21 @@ async def test_through_the_server_a_jump_after_a_pause_finds_its_window_warm_and
                                       if k.startswith("completer_warm_requests_total"))
     assert left[3] <= 8 < 100 <= left[0], (left, warmed)
     assert warmed[3] >= 1 and warmed[0] == 0
+
+
+def test_a_full_queue_refuses_warming_and_a_keystroke_takes_a_waiting_warm_prompts_place(models, tokenizer):
+    from completer.engine.request import EngineError
+
+    core = make_core(models, tokenizer, draft=None, config=msgspec.structs.replace(BULK, max_running=1, max_queue=3))
+    core.add(Request("key0", prompts(1, seed=5)[0], free_mode(2), client="a"))
+    core.add(Request("warm", long_prompt(200, seed=3), WARM, warm=True, client="a"))
+    core.add(Request("key1", prompts(1, seed=6)[0], free_mode(2), client="b"))
+    try:
+        core.add(Request("warm2", long_prompt(200, seed=4), WARM, warm=True, client="b"))
+        raise AssertionError("a full queue took a warm prompt")
+    except EngineError as e:
+        assert e.code == "overloaded"
+    core.add(Request("key2", prompts(1, seed=7)[0], free_mode(2), client="a"))  # the warm prompt gives way
+    ended = [(e.id, e.reason) for e in core.output.drain() if isinstance(e, Finished)]
+    assert ended == [("warm", "cancelled")]
+    assert [s.id for s in core.scheduler.waiting] == ["key0", "key1", "key2"]

@@ -48,7 +48,7 @@ class Candidates:
         logits: its first token's, healing's constraint applied; chosen: the token it took."""
         running = self.scheduler.running
         room = min(self.max_batch, self.scheduler.config.max_running) - len(running)
-        if seq.params.n <= 1 or room <= 0 or self.scheduler.waiting:
+        if seq.params.n <= 1 or room <= 0 or any(not s.request.warm for s in self.scheduler.waiting):
             return
         group = seq.candidates = CandidateGroup()
         for rank, token in enumerate(self._first_tokens(logits, chosen, min(seq.params.n - 1, room)), 1):

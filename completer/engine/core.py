@@ -161,23 +161,38 @@ class EngineCore:
             raise EngineError("bad_request", "empty prompt")
         if (problem := self.kv.too_large(len(request.prompt), request.params.max_tokens)) is not None:
             raise EngineError("too_large", problem)
+        if request.warm and (cached := self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)) \
+                >= (len(request.prompt) - 1) // self.kv.block_size * self.kv.block_size:
+            seq = self._sequence(request)  # warm already: nothing to compute (not even its last token)
+            seq.timings.cached_tokens = cached
+            self.output.finish(seq, "length")
+            return
         if self.scheduler.queue_full:
-            if (crowding := self.scheduler.crowding(request.client)) is None:
-                raise EngineError("overloaded", f"{len(self.scheduler.waiting)} requests already waiting")
-            # One client's flood does not keep another out: its newest waiting request makes room.
-            self.output.fail(crowding, "overloaded", f"{len(self.scheduler.waiting)} requests already waiting "
-                             "(most of them this client's; another client's took this one's place)")
-            self._drop(crowding)
+            self._make_room(request)
         seq = self._sequence(request)
         if submitted is not None:
             seq.timings.prepare_ms = (submitted - request.arrival) * 1000
             seq.timings.wait_ms = (time.perf_counter() - submitted) * 1000
         self.scheduler.add(seq)
         self.by_id[request.id] = seq
-        if request.warm and (cached := self.kv.pools["target"].cached_tokens(request.prompt, request.cache_salt)) \
-                >= (len(request.prompt) - 1) // self.kv.block_size * self.kv.block_size:
-            seq.timings.cached_tokens = cached  # warm already: nothing to compute (not even its last token)
-            self._finish(seq, "length")
+
+    def _make_room(self, request: Request) -> None:
+        """A full queue: warming gives way first (and is refused itself); then
+        one client's flood does not keep another out: the newest waiting
+        request of the client holding most of the queue makes room. Else the
+        request is refused (`overloaded`)."""
+        waiting = self.scheduler.waiting
+        full = f"{len(waiting)} requests already waiting"
+        if request.warm:
+            raise EngineError("overloaded", full)
+        if (room := next((s for s in reversed(waiting) if s.request.warm), None)) is None:
+            if (room := self.scheduler.crowding(request.client)) is None:
+                raise EngineError("overloaded", full)
+            self.output.fail(room, "overloaded", f"{full} (most of them this client's; another client's took "
+                             "this one's place)")
+        else:
+            self.output.finish(room, "cancelled")  # (optional work: a keystroke came)
+        self._drop(room)
 
     def _sequence(self, request: Request) -> Sequence:
         p = request.params
@@ -229,8 +244,10 @@ class EngineCore:
     def _interrupted(self) -> bool:
         """Before each layer of a pass: whether every running request has a
         cancel waiting (a newer keystroke superseded them), so the pass is
-        work nobody will see. Only all of them: a pass is never half-given-up."""
-        return self.loop is not None and self.loop.cancel_waiting([s.id for s in self.scheduler.running])
+        work nobody will see. Only all of them: a pass is never half-given-up.
+        (Warming is never in such a pass, and nobody cancels it: not counted.)"""
+        return self.loop is not None and self.loop.cancel_waiting(
+            [s.id for s in self.scheduler.running if not s.request.warm])
 
     def take_closed_jobs(self) -> None:
         """The prefill jobs that closed: their sequences decode, prefill here or

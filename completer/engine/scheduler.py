@@ -217,11 +217,14 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         warming = any(s.request.warm for s in self.running)
-        for seq in by_turns(list(self.waiting), Counter(s.request.client for s in self.running)):
+        if len(self.running) >= self.config.max_running or not self.waiting:
+            return
+        turns = by_turns(list(self.waiting), Counter(s.request.client for s in self.running))
+        for seq in sorted(turns, key=lambda s: s.request.warm):  # (stable: warming after everyone's turns)
             if len(self.running) >= self.config.max_running:
                 return
             if seq.request.warm and warming:
-                continue  # one at a time: a warm prompt's blocks are reserved while it waits its turn
+                continue  # one at a time: an admitted warm prompt reserves its blocks until it has run
             if not self.kv.admit(seq, self.running):
                 if self.config.interactive_first or seq.request.warm:
                     continue  # a smaller request behind it may fit (nothing ever waits for warming)

@@ -89,6 +89,7 @@ class Flight:
     route: str  # the metrics' route label ("ws", "infill", ...)
     warm: Hashable | None = None  # the document whose next windows are warmed once it ends (None: none)
     state: DocumentPrompt | None = None  # that document's prompt state
+    text: tuple[str, str] = ("", "")  # and its text as this request had it (prefix, suffix)
 
     @property
     def id(self) -> str:
@@ -205,7 +206,8 @@ class Client:
         key = None if supersede is None else f"{self.key}/{supersede}"
         stream = self.service.engine.submit(request, supersede=key, ends_others=ends_others, affinity=self.key)
         self.inflight.add(request_id, supersede, ends_others)
-        return Flight(request, stream, received, route, warm, state)
+        return Flight(request, stream, received, route, warm, state,
+                      (document.prefix, document.suffix) if warm is not None else ("", ""))
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.inflight:
@@ -239,7 +241,7 @@ class Client:
             if stream.result is None:
                 self.service.engine.cancel(flight.id)
             elif flight.warm is not None and stream.result.reason != "cancelled":
-                self.warmer.ended(flight.warm, flight.state, self.salt)
+                self.warmer.ended(flight.warm, flight.state, flight.text, self.salt)
 
     def close(self) -> None:
         """The client is gone (its requests ended): the service forgets it."""

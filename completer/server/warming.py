@@ -11,7 +11,9 @@ connections. `server.warm_windows` = 0 turns it off."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
+import logging
 import time
 from collections.abc import Hashable
 from typing import Protocol
@@ -31,6 +33,7 @@ class Service(Protocol):
     engine: object  # its `submit` and `cancel`; None while loading
     stopping: bool
 
+log = logging.getLogger(__name__)
 TYPING_GAP_S = 1.0  # gaps between a document's requests longer than this are pauses, not its typing rhythm
 WARM_DEADLINE_S = 60.0  # a warm set still waiting this long is stale: the user has moved on
 _serial = itertools.count(1)
@@ -67,21 +70,24 @@ class Warmer:
         if (plan := self.pending.pop(document, None)) is not None:
             plan.cancel()
 
-    def ended(self, document: Hashable, state: DocumentPrompt, salt: str) -> None:
+    def ended(self, document: Hashable, state: DocumentPrompt, text: tuple[str, str], salt: str) -> None:
         """A request for `document` ended: warm its next windows once the
         client pauses, for `server.warm_after_ms` and twice its usual gap
         between requests on the document (typing is not a pause)."""
-        if self.windows <= 0 or self.closed or self.service.engine is None or self.service.stopping:
+        if self.windows <= 0 or self.closed or self.service.engine is None or self.service.stopping \
+                or not self.service.config.engine.prefix_cache:
             return
         self._call_off(document)
         delay = max(self.service.config.server.warm_after_ms / 1000, 2 * self.rhythm.get(document, (0, 0.0))[1])
-        self._arm(document, state, salt, delay)
+        self._arm(document, (state, text), salt, delay)
 
-    def _arm(self, document: Hashable, state: DocumentPrompt, salt: str, delay: float) -> None:
+    def _arm(self, document: Hashable, state: tuple[DocumentPrompt, tuple[str, str]], salt: str,
+             delay: float) -> None:
+        """`state`: the document's prompt state and the text its last request had (held only till planned)."""
         self.pending[document] = asyncio.get_running_loop().call_later(
             delay, lambda: self._plan(document, state, salt))
 
-    def _plan(self, document: Hashable, state: DocumentPrompt, salt: str) -> None:
+    def _plan(self, document: Hashable, state: tuple[DocumentPrompt, tuple[str, str]], salt: str) -> None:
         live = getattr(self.service.engine, "live", None)
         if live is not None and ((now := live()).running or now.waiting):
             # Busy: warming is for an idle engine (planning it costs the busy one too); ask again later.
@@ -91,9 +97,15 @@ class Warmer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _send(self, document: Hashable, state: DocumentPrompt, salt: str) -> None:
-        # Tokenizing a few windows takes ~5 ms each: off the event loop, which keeps answering keystrokes.
-        heads = await asyncio.to_thread(warm_heads, state, self.windows)
+    async def _send(self, document: Hashable, state: tuple[DocumentPrompt, tuple[str, str]], salt: str) -> None:
+        # Tokenizing a few windows takes ~5 ms each: off the event loop, which keeps answering keystrokes;
+        # the thread reads a copy of the state as it is now (an update replaces its lists, never edits them).
+        prompt, (prefix, suffix) = state
+        try:
+            heads = await asyncio.to_thread(warm_heads, copy.copy(prompt), self.windows, prefix, suffix)
+        except Exception:  # (warming is optional: a bug in it must not go unheard, nor take anything down)
+            log.exception("warming: planning the windows of %s failed", document)
+            return
         if self.pending.get(document) is not asyncio.current_task():
             return  # a request for the document came meanwhile
         del self.pending[document]
