@@ -85,6 +85,9 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # so no client holds the engine's slots for minutes (never below request.deadline_ms, first_deadline_ms).
     max_deadline_ms: float = 60000.0
     warm_after_ms: float = 100.0
+    # A file to append one JSON line to per finished request: its arrival, route, client, end and timings,
+    # never its text (server/request_log.py). "": none.
+    request_log: str = ""
 
 
 class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

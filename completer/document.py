@@ -21,6 +21,12 @@ from completer.prompt import Prompt, PromptBuilder, Snippet, Window
 from completer.retrieval import Retriever, WindowCache
 
 
+# A window's start holds while the BEFORE_CHARS before it are unchanged; a
+# window whose start moved is looked for by its first two lines, when they
+# are at least HEAD_CHARS long (shorter ones, "}\n\n", are everywhere).
+BEFORE_CHARS, HEAD_CHARS = 64, 24
+
+
 def common_prefix_length(a: str, b: str) -> int:
     """Length of the longest common prefix, by bisection over C-speed compares."""
     lo, hi = 0, min(len(a), len(b))
@@ -62,6 +68,7 @@ class DocumentPrompt:
         self.suffix_end = 0
         self.suffix_ids: list[int] = []
         self.prefix_start = -1
+        self.before_start = ""  # the text right before the window's start: while it is there, the start holds
         self.prefix_text = ""  # prefix[prefix_start:]
         self.prefix_ids: list[int] = []
         self.prefix_offsets: list[int] = []  # char offset in prefix_text where each token starts
@@ -97,6 +104,7 @@ class DocumentPrompt:
         self.prefix_budget = budget
         if not self._extend_prefix(prefix, budget):
             self.prefix_start, _ = b.fit_prefix(prefix, budget)
+            self.before_start = prefix[max(0, self.prefix_start - BEFORE_CHARS): self.prefix_start]
             self.prefix_text = prefix[self.prefix_start:]
             self.prefix_ids, self.prefix_offsets = self._encode(self.prefix_text)
         tokens = b.assemble(self.context, self.prefix_ids, self.suffix_ids)
@@ -105,13 +113,15 @@ class DocumentPrompt:
 
     def _extend_prefix(self, prefix: str, budget: int) -> bool:
         """Re-tokenize only the changed tail, keeping the window's start; False
-        when the start no longer holds (an edit before it, or an overflow)."""
-        if not 0 <= self.prefix_start <= len(prefix) or not self.prefix_ids:
+        when the start no longer holds (an edit at it, or an overflow)."""
+        start = self._window_start_in(prefix) if self.prefix_ids else None
+        if start is None:
             return False
-        text = prefix[self.prefix_start:]
+        text = prefix[start:]
         same = common_prefix_length(self.prefix_text, text)
         if same == 0:
             return False
+        self.prefix_start, self.before_start = start, prefix[max(0, start - BEFORE_CHARS): start]
         keep, restart = self.settled(text, same)
         ids, offsets = self._encode(text[restart:], base=restart)
         new_ids = self.prefix_ids[:keep] + ids
@@ -120,6 +130,25 @@ class DocumentPrompt:
         self.prefix_text, self.prefix_ids = text, new_ids
         self.prefix_offsets = self.prefix_offsets[:keep] + offsets
         return True
+
+    def _window_start_in(self, prefix: str) -> int | None:
+        """Where the window starts in a new `prefix`: where it did, if the
+        same text comes before it; or else where its first two lines are
+        found, once. A client that sends the lines around the cursor
+        (llama.vim: the 256 before it), or an edit above the window that
+        added or removed lines, moves the window's text within the prefix it
+        is sent; the window keeps its text (and its cached K/V)."""
+        at, before = self.prefix_start, self.before_start
+        if len(before) <= at <= len(prefix) and prefix.startswith(before, at - len(before)):
+            return at
+        line = self.prefix_text.find("\n")
+        head = self.prefix_text[: self.prefix_text.find("\n", line + 1) + 1] if line >= 0 else ""
+        if len(head) < HEAD_CHARS:  # too common to be found (also: a window of less than two lines)
+            return None
+        at = prefix.find(head)
+        if at < 0 or prefix.find(head, at + 1) >= 0 or (at > 0 and prefix[at - 1] != "\n"):
+            return None
+        return at
 
     def settled(self, text: str, same: int) -> tuple[int, int]:
         """(tokens kept, char offset re-tokenized from) for a window text

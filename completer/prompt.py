@@ -14,13 +14,30 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Literal
+import zlib
+from typing import Callable, Literal
 
 import msgspec
 
 from completer.tokenizer import TextTokenizer
 
 NEWLINE = re.compile("\n")
+
+
+def anchored(text: str, at: int, step: int) -> bool:
+    """Whether the line starting at char `at` of `text` is on the window grid
+    of `step` lines. The grid is drawn by content, not by line number: a line
+    is on it when a hash of that line and the one before it is a multiple of
+    `step` (so ~1 line in `step`, and every line on a grid is on the grids of
+    its halves). The same text thus offers the same starts however much of the
+    file a client sends above it (llama.vim sends the 256 lines before the
+    cursor) and after lines are inserted or deleted above it, so the window a
+    jump refits to is one an earlier prompt or warming already computed. The
+    first line of the text is on every grid."""
+    if at == 0:
+        return True
+    end = text.find("\n", at)
+    return zlib.crc32(text[text.rfind("\n", 0, at - 1) + 1: len(text) if end < 0 else end].encode()) % step == 0
 
 
 class Snippet(msgspec.Struct, frozen=True):
@@ -228,13 +245,14 @@ class PromptBuilder:
         return end, ids
 
     def fit_prefix(self, prefix: str, budget: int, count=None) -> tuple[int, list[int]]:
-        """The prefix tail that fits, starting at a line whose number is a
-        multiple of `step_lines`: typing at the cursor never moves that start
-        until the window overflows, and then it jumps a whole step, so the
-        tokens before the cursor (and their KV) stay the same keystroke after
-        keystroke. Where that would keep less than half the budget (`step_lines`
-        lines are too many for it), the step is halved, down to single lines;
-        a line too long on its own is cut at a char offset on a similar grid.
+        """The prefix tail that fits, starting at a line on the grid of
+        `step_lines` (`anchored`: ~1 line in step_lines, chosen by content):
+        typing at the cursor never moves that start until the window
+        overflows, and then it jumps ~a whole step, so the tokens before the
+        cursor (and their KV) stay the same keystroke after keystroke. Where
+        that would keep less than half the budget (the next start on the grid
+        is too far), the step is halved, down to single lines; a line too long
+        on its own is cut at a char offset on a grid of offsets.
         `count(start, end)`: the tokens of prefix[start:end] (default: encode
         it; warming passes one read off a single encoding); with it, the ids
         returned are [] (the start is what is asked)."""
@@ -251,26 +269,26 @@ class PromptBuilder:
         count = count or encoded
         # Code averages ~3 chars/token: a start further than budget*8 chars back
         # cannot fit, so only the lines after `reach` are listed (the work
-        # follows the window, not the file); `first` numbers the first of them.
+        # follows the window, not the file).
         reach = max(0, len(prefix) - budget * 8)
-        if reach == 0:
-            first, line_starts = 0, [0]
-        else:
-            first, line_starts = prefix.count("\n", 0, reach - 1) + 1, []
+        line_starts = [0] if reach == 0 else []
         line_starts += [m.end() for m in NEWLINE.finditer(prefix, max(0, reach - 1))]
-        start = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, count, first)
+        start = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, count,
+                                  lambda at, step: anchored(prefix, at, step))
         if start is None:
-            chars = range(prefix.rfind("\n") + 1, len(prefix) + 1)
-            start = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2), count)
+            line = prefix.rfind("\n") + 1
+            chars = range(line, len(prefix) + 1)
+            start = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2), count,
+                                      lambda at, step: (at - line) % step == 0)
         assert start is not None  # the empty tail always fits
         return start, [] if counted else tails.get(start) or self.tok.encode(prefix[start:])
 
     def _fit_on_grid(self, prefix: str, starts, budget: int, step: int, count,
-                     first_index: int = 0) -> int | None:
-        """The earliest of `starts` (sorted char offsets, numbered from
-        `first_index`) whose number is a multiple of `step` and from which the
-        prefix fits, halving `step` while that keeps less than half the budget;
-        None if none of `starts` fits."""
+                     on_grid: Callable[[int, int], bool]) -> int | None:
+        """The earliest of `starts` (sorted char offsets) that is on the grid
+        of `step` (`on_grid(start, step)`) and from which the prefix fits,
+        halving `step` while that keeps less than half the budget; None if
+        none of `starts` fits."""
         # The word at the cursor (from the last whitespace, within 32 chars) is
         # counted as at least `margin` tokens: merges make its count dip while it
         # is typed, and a dip must not flip the window back and forth.
@@ -294,7 +312,8 @@ class PromptBuilder:
                 lo = mid + 1
         first, step = lo, max(1, step)
         while first < len(starts):
-            i = -(-(first + first_index) // step) * step - first_index  # the first start on the grid that fits
+            # The first start on the grid that fits (a scan: grid starts are ~`step` apart).
+            i = next((k for k in range(first, len(starts)) if on_grid(starts[k], step)), len(starts))
             if i < len(starts) and (i == first or 2 * cost(starts[i]) >= budget):
                 if count(starts[i], len(prefix)) <= budget:
                     return starts[i]

@@ -26,6 +26,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from completer.server.request_log import RequestRecord
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.neovim_jump import TYPED, files, jumps, ranks
 from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
@@ -54,12 +55,13 @@ class LlamaVim(Editor):
         """As `Editor.retype_after_jump`; the ms from the last key sent to its ghost text (None: none in 5 s)."""
         line = self.nvim.current.buffer[row]
         indent = len(line) - len(line.lstrip())
+        self.jumped = time.time()
         self.nvim.input("<Esc>")
         self.nvim.command(f"call cursor({row + 1}, 1)")
         self.nvim.input("cc" + " " * indent)
         sent = 0.0
         for n, ch in enumerate(line.strip()[:count]):
-            tick0, sent = self.tick(), time.perf_counter()
+            tick0, sent, self.key_sent = self.tick(), time.perf_counter(), time.time()
             self.nvim.input(keys(ch))
             wait_until(lambda: self.tick() != tick0, 5, 0.005, "the keystroke")
             if n < count - 1:
@@ -75,8 +77,9 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
     console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in ROWS[name]))
     rng, shown = random.Random(args.seed), []
     think = args.think_ms / 1000
-    with running_server(*ROWS[name], model=args.model, timeout=600) as server, \
-            tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            running_server(*ROWS[name], f"server.request_log={tmp}/requests.jsonl", model=args.model,
+                           timeout=600) as server:
         work = Path(tmp)
         ed = LlamaVim(work, args.llama_vim, f"http://127.0.0.1:{server.compat}/infill")
         try:
@@ -94,15 +97,35 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
                     row = min(row, len(ed.nvim.current.buffer) - 1)
                     ms = ed.retype_after_jump(row, TYPED, lambda: time.sleep(rng.uniform(0.1, 0.2)))
                     shown.append({"file": path.name, "row": row + 1, "jump": kind, "shown": ms is not None,
-                                  "key_to_shown_ms": ms})
+                                  "key_to_shown_ms": ms, "jumped": ed.jumped, "key_sent": ed.key_sent})
                     ed.nvim.input("<Esc>")  # the edit stays
                     time.sleep(think)
         finally:
             ed.close()
+        timelines(shown, work / "requests.jsonl")
     got = [r for r in shown if r["shown"]]
     return {"settings": list(ROWS[name]), "jumps": len(shown), "with_ghost_text": len(got),
             "keystroke_to_ghost_ms": ranks(got),
             "by_jump": {k: ranks([r for r in got if r["jump"] == k]) for k in ("near", "far")}, "records": shown}
+
+
+def timelines(shown: list[dict], log: Path) -> None:
+    """Each jump's `requests`: those the server's request log has arriving
+    from the jump until its ghost text (or 5 s after its last key), ms from
+    the last key: where the time between key and ghost text went (llama.vim
+    sends one request at a time, retrying every 100 ms while one is out)."""
+    records = [msgspec.json.decode(line, type=RequestRecord) for line in log.read_bytes().splitlines()]
+    for r in shown:
+        key, jumped = r.pop("key_sent"), r.pop("jumped")
+        until = key + (r["key_to_shown_ms"] or 5000) / 1000
+        r["requests"] = [{"at_ms": round((q.arrived - key) * 1000, 1),
+                          "end_ms": round((q.arrived - key) * 1000 + q.timings.total_ms, 1), "reason": q.reason,
+                          "priming": q.priming, "prompt_tokens": q.timings.prompt_tokens,
+                          "cached_tokens": q.timings.cached_tokens, "moved_tokens": q.timings.moved_tokens,
+                          "wait_ms": round(q.timings.wait_ms + q.timings.queue_ms, 1),
+                          "prefill_ms": round(q.timings.prefill_ms, 1), "decode_ms": round(q.timings.decode_ms, 1),
+                          "generated_tokens": q.timings.generated_tokens}
+                         for q in records if jumped <= q.arrived <= until]
 
 
 def main() -> int:

@@ -103,3 +103,45 @@ def test_a_jump_with_a_new_snippet_of_the_code_around_it_keeps_the_context_block
     assert doc.context_key == before and before[1] != ()
     far = Snippet("pkg/mod.py", body[1_000:1_600], "edit")  # 28 KB away: beyond any window
     assert outside_window([edit, far, other], "pkg/mod.py", body[:near], body[near:], 2048) == [far, other]
+
+
+def test_a_client_that_sends_the_lines_above_the_cursor_keeps_its_window_across_a_jump(tok, source):
+    """llama.vim sends the 256 lines before the cursor: a jump moves where the
+    text starts. The window keeps its text (so its cached K/V), as it does
+    for a client that sends the whole file; and a window refit after a jump
+    out of it starts where a whole-file client's refit starts (the grid is
+    drawn by content, not by line number)."""
+    lines = "".join(f.text for f in source)[:80_000].split("\n")
+    builder = PromptBuilder(tok, get_template("default"), budget=512)
+    sent_above = DocumentPrompt(builder)
+    whole_file = DocumentPrompt(builder)
+
+    def at(row: int, doc: DocumentPrompt, above: int | None) -> str:
+        first = 0 if above is None else max(0, row - above)
+        prompt = doc.update("\n".join(lines[first:row]) + "\n", "\n".join(lines[row:row + 64]), "m.py")
+        return ("\n".join(lines[first:row]) + "\n")[prompt.window.prefix_start:]
+
+    row = 900
+    window = at(row, sent_above, 256)
+    assert at(row, whole_file, None) == window
+    for jump in (-12, -5, 3, 9):  # within the window: the same first line, the window text up to the cursor
+        moved = at(row + jump, sent_above, 256)
+        assert moved == ("\n".join(lines[:row + jump]) + "\n")[-len(moved):]
+        assert moved[:200] == window[:200], jump
+    for far in (700, 1_200, 1_240):  # out of it: refit where a whole-file client refits
+        assert at(far, sent_above, 256) == at(far, whole_file, None)
+        assert at(far, sent_above, 200) == at(far, whole_file, None)
+
+
+def test_lines_inserted_above_the_window_do_not_move_its_text(tok, source):
+    body = "".join(f.text for f in source)[:60_000]
+    cut = body.rfind("\n", 0, 40_000) + 1
+    builder = PromptBuilder(tok, get_template("default"), budget=512)
+    doc = DocumentPrompt(builder)
+    first = doc.update(body[:cut], body[cut:], "m.py")
+    window = body[first.window.prefix_start:cut]
+    edited = body[:5_000] + "import os\nimport sys\n\n" + body[5_000:cut]
+    again = doc.update(edited, body[cut:], "m.py")
+    assert edited[again.window.prefix_start:] == window and doc.retokenized_chars < 400
+    fresh = PromptBuilder(tok, get_template("default"), budget=512).build(edited, body[cut:], "m.py")
+    assert fresh.window.prefix_start == again.window.prefix_start  # a fresh fit starts there too

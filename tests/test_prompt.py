@@ -3,7 +3,7 @@
 import pytest
 from tokenizers import Tokenizer
 
-from completer.prompt import TEMPLATES, PromptBuilder, Snippet, Window, get_template
+from completer.prompt import TEMPLATES, PromptBuilder, Snippet, Window, anchored, get_template
 from completer.tokenizer import TextTokenizer, train_bpe
 from completer.training.corpus import read_python_files, stdlib_root
 
@@ -128,13 +128,12 @@ def test_window_on_long_document(toks, doc, name):
     w = prompt.window
     # Prefix: the tail from a line start on the step grid, as far back as fits.
     assert 0 < w.prefix_start < len(prefix) and prefix[w.prefix_start - 1] == "\n"
-    line = prefix.count("\n", 0, w.prefix_start)
-    assert line % 8 == 0 and line > 1400
+    assert anchored(prefix, w.prefix_start, 8) and prefix.count("\n", 0, w.prefix_start) > 1400
     prefix_budget = b.budget - len(suf_ids) - len(b.assemble([], [], []))
-    earlier = prefix.rfind("\n", 0, w.prefix_start)
-    for _ in range(7):
-        earlier = prefix.rfind("\n", 0, earlier)
-    assert len(b.tok.encode(prefix[earlier + 1:])) > prefix_budget
+    earlier = prefix.rfind("\n", 0, w.prefix_start - 1) + 1
+    while not anchored(prefix, earlier, 8):  # the start on the grid before it
+        earlier = prefix.rfind("\n", 0, earlier - 1) + 1
+    assert len(b.tok.encode(prefix[earlier:])) > prefix_budget
     # Suffix: the head, whole lines, as many as fit.
     assert 0 < w.suffix_end < len(suffix) and suffix[w.suffix_end - 1] == "\n"
     next_end = suffix.find("\n", w.suffix_end) + 1
@@ -152,8 +151,7 @@ def test_typing_keeps_the_window_and_the_tokens_before_the_cursor(toks, doc, fil
         for k, p in enumerate(prompts):
             check_window(b, p, prefix + typed[:k], suffix)
             assert len(p.tokens) > 0.5 * b.budget
-            start_line = prefix.count("\n", 0, p.window.prefix_start)
-            assert start_line % 4 == 0  # a coarse grid even when 32 lines do not fit
+            assert anchored(prefix, p.window.prefix_start, 4)  # a coarse grid even when 32 lines do not fit
         starts = [p.window.prefix_start for p in prompts]
         assert starts == sorted(starts)  # the window only ever moves forward
         changes = sum(a != c for a, c in zip(starts, starts[1:]))

@@ -36,6 +36,7 @@ from completer.pipeline import CompletionPipeline, RequestOptions
 from completer.protocol import ContextItem, Document
 from completer.retrieval import WindowCache
 from completer.server.metrics import Metrics
+from completer.server.request_log import RequestLog
 from completer.server.warming import Warmer
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ class Client:
             request = self.service.pipeline.request(request_id, document, context, options, state, arrival=received)
         except Exception as e:
             raise failure(e) from None
+        request = msgspec.structs.replace(request, client=self.key)
         key = None if supersede is None else f"{self.key}/{supersede}"
         stream = self.service.engine.submit(request, supersede=key, ends_others=ends_others, affinity=self.key)
         self.inflight.add(request_id, supersede, ends_others)
@@ -260,6 +262,7 @@ class CompletionService:
         self.draft: LoadedModel | None = None
         self.stopping = False  # shutting down: no new requests start
         self.clients: set[Client] = set()  # until they close (their senders share their state)
+        self.request_log = RequestLog(config.server.request_log) if config.server.request_log else None
 
     def attach(self, pipeline: CompletionPipeline, engine: Engine | LinkedEngine, target: LoadedModel,
                draft: LoadedModel | None) -> None:
@@ -295,5 +298,8 @@ class CompletionService:
     def observe(self, flight: Flight, finished: Finished, reason: str | None = None) -> None:
         """A request that ended with an answer, into the metrics (`reason`: its
         door's, where that ended it; else the engine's)."""
-        self.metrics.observe_done(finished.timings, reason or finished.reason, flight.received,
-                                  priming=flight.request.params.priming, route=flight.route)
+        reason, priming = reason or finished.reason, flight.request.params.priming
+        self.metrics.observe_done(finished.timings, reason, flight.received, priming=priming, route=flight.route)
+        if self.request_log is not None:
+            self.request_log.write(flight.received, flight.id, flight.route, flight.request.client, reason, priming,
+                                   finished.timings)
