@@ -87,7 +87,8 @@ class DocumentPrompt:
         if snippets and path is not None:
             snippets = outside_window(snippets, path, prefix, suffix, b.budget, b.suffix_budget)
         if self.retriever is not None and snippets:
-            snippets = self.retriever.select(prefix, snippets)
+            holds = bool(self.prefix_ids) and self._window_start_in(prefix) is not None
+            snippets = self.retriever.select(prefix, snippets, window_holds=holds)
         key = (path, tuple((s.uri, s.text) for s in snippets or ()))
         if key != self.context_key:
             self.context_key = key

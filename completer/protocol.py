@@ -176,7 +176,7 @@ def decode(frame: str | bytes) -> ClientMessage | Error:
     except UnicodeEncodeError:  # a str with a lone surrogate (a caller's; a WebSocket text frame cannot hold one)
         problem = "the frame holds a lone UTF-16 surrogate, which is not valid Unicode"
     except RecursionError:  # msgspec recurses once per level of nesting, up to Python's limit
-        return Error(None, "bad_request", _TOO_DEEP)
+        return Error(_readable_id(_top_level_id(frame)), "bad_request", _TOO_DEEP)
     return _answer_to_bad_frame(frame, problem)
 
 
@@ -213,7 +213,7 @@ def _answer_to_bad_frame(frame: str, problem: str) -> Error:
     except (msgspec.DecodeError, UnicodeEncodeError):
         return _answer_to_malformed_frame(frame, problem)
     except RecursionError:
-        return Error(None, "bad_request", _TOO_DEEP)
+        return Error(_readable_id(_top_level_id(frame)), "bad_request", _TOO_DEEP)
     request_id = _readable_id(_json_string(envelope.id))
     kind_json = bytes(envelope.type)
     if kind_json in (b"", b"null"):
@@ -259,6 +259,29 @@ def _json_string(raw: msgspec.Raw) -> str | None:
         return msgspec.json.decode(raw, type=str)
     except msgspec.DecodeError:
         return None
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[{]+|[\]}]+|[^"\[\]{}]+', re.DOTALL)
+
+
+def _top_level_id(frame: str) -> str | None:
+    """The `id` member of a frame nested too deeply for a parser that
+    recurses (msgspec, Python's json): one pass over its strings and runs of
+    brackets, reading the string value of `"id":` at the object's own level."""
+    depth, at, key = 0, 0, None
+    while (m := _JSON_TOKEN.match(frame, at)) is not None:
+        token, at = m.group(), m.end()
+        if token[0] == '"':
+            if depth == 1 and key == '"id"':
+                return _json_string(msgspec.Raw(token.encode()))
+            key = token if depth == 1 and frame[at: at + 64].lstrip()[:1] == ":" else None
+        elif token[0] in "[{":
+            depth, key = depth + len(token), None
+        elif token[0] in "]}":
+            depth, key = depth - len(token), None
+        elif token.strip(" \t\r\n:"):  # a number, a literal, a comma: not the key's string value
+            key = None
+    return None
 
 
 def _readable_id(request_id: str | None) -> str | None:

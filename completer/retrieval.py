@@ -12,7 +12,10 @@ Kept warm: the block sits at the start of the prompt, so a different choice
 recomputes the whole prompt. A document keeps its chosen windows until a
 new choice scores `SWITCH_MARGIN` times better (or a chosen window's text is
 gone); while typing within a function the query changes a little on each
-keystroke and the block stays put.
+keystroke and the block stays put. While the prompt's window keeps its start
+(a jump within the screen), by much more (`HOLD_MARGIN`, `HOLD_GAIN`): the
+query changes wholesale at a jump, and a switch would recompute the window
+too.
 
 A context item's kind is a prior: a window of a definition or of a recent
 edit that shares any names with the query gets a small bonus, so that on a
@@ -34,6 +37,11 @@ from completer.prompt import Snippet
 WINDOW_LINES = 12
 STRIDE_LINES = 6
 SWITCH_MARGIN = 1.25  # a new choice must score this much better to replace the kept one
+# ... and while the window keeps its start (a jump within it): the whole
+# window after the context is cached, a switch recomputes it all (~1 s for a
+# 1024-token prompt on 2 cores), and a jump's new query scores the kept
+# windows near 0. Twice as good and by a whole related window's similarity.
+HOLD_MARGIN, HOLD_GAIN = 2.0, 0.2
 NEAR_DUPLICATE = 0.8  # windows this similar to a chosen one add nothing
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PARTIAL = re.compile(r"[A-Za-z0-9_]*$")
@@ -143,8 +151,11 @@ class Retriever:
         self.cache = WindowCache() if cache is None else cache  # the files sent, cut (the client's)
         self._asked: tuple | None = None  # the last query and files
 
-    def select(self, prefix: str, snippets: list[Snippet]) -> list[Snippet]:
-        """The windows to place, as snippets (path and text), best last (nearest the code)."""
+    def select(self, prefix: str, snippets: list[Snippet], window_holds: bool = False) -> list[Snippet]:
+        """The windows to place, as snippets (path and text), best last (nearest the code).
+        `window_holds`: the prompt's window keeps its start (a keystroke, a
+        jump within it), so its K/V is cached after the context: a new choice
+        must then be better by HOLD_MARGIN and HOLD_GAIN."""
         query = query_of(prefix)
         asked = (query, tuple((s.uri, s.text, s.kind) for s in snippets))
         if asked == self._asked:  # within a word, the same files: the same choice, no scoring
@@ -155,7 +166,8 @@ class Retriever:
         best = self._best(query, candidates)
         available = {(w.uri, w.first_line, w.text) for w in candidates}
         kept = bool(self.chosen) and all((w.uri, w.first_line, w.text) in available for w in self.chosen)
-        if not kept or score(query, best) > SWITCH_MARGIN * score(query, self.chosen):
+        margin, gain = (HOLD_MARGIN, HOLD_GAIN) if window_holds else (SWITCH_MARGIN, 0.0)
+        if not kept or score(query, best) > margin * score(query, self.chosen) + gain:
             self.chosen = best
         return [Snippet(w.uri, w.text) for w in self.chosen]
 

@@ -95,7 +95,7 @@ async def test_frames_that_closed_the_connection_with_1011_get_an_error_and_it_g
     is served."""
     deep = "[" * 1000 + "]" * 1000
     frames = [('{"type": [1], "id": "a"}', "a"), ('{"type": {}}', None), (deep, None),
-              ('{"id": "d", "x": ' + deep + "}", None),
+              ('{"id": "d", "x": ' + deep + "}", "d"),
               (json.dumps(COMPLETE)[:-1] + ', "temperature": 1e400}', "t"),
               (json.dumps(COMPLETE).replace("file:///a.py", "\\ud800"), "t")]
     async with connect(server, token=fuzz.TOKEN) as ws:

@@ -109,16 +109,30 @@ def test_a_type_that_is_not_a_string_is_a_bad_request_not_an_exception(frame, ri
     assert err == Error(rid, "bad_request", err.message) and "`$.type`" in err.message
 
 
-@pytest.mark.parametrize("frame", [
-    "[" * 1000 + "]" * 1000,
-    '{"a": ' * 1000 + "1" + "}" * 1000,
-    '{"id": "d", "type": "complete", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
-    with_raw(complete_with(), "stop", "[" * 5000 + "]" * 5000),
+@pytest.mark.parametrize("frame, rid", [
+    ("[" * 1000 + "]" * 1000, None),
+    ('{"a": ' * 1000 + "1" + "}" * 1000, None),
+    ('{"id": "d", "type": "complete", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "d"),
+    ('{"type": "complete", "x": ' + '["id", {"id": "inner"},' * 3000 + "]" * 3000 + ', "id": "late\\"q"}', 'late"q'),
+    (with_raw(complete_with(), "stop", "[" * 5000 + "]" * 5000), "42"),
 ])
-def test_json_nested_past_the_parsers_depth_is_a_bad_request_not_an_exception(frame):
+def test_json_nested_past_the_parsers_depth_is_a_bad_request_that_keeps_the_id(frame, rid):
     err = decode(frame)
     assert isinstance(err, Error) and err.code == "bad_request"
-    assert err.id in (None, "d", "42")  # the id may be lost past the parser's depth: nothing reads it
+    assert err.id == rid  # read by a scan that does not recurse, wherever the id is among the members
+
+
+def test_how_deep_the_callers_stack_is_does_not_lose_the_id():
+    """The server decodes deep in its event loop: a frame that this test's
+    stack decodes can hit the recursion limit there (the 100k fuzz saw it)."""
+    frame = with_raw(complete_with(), "stop", "[" * 150 + "]" * 150)
+
+    def nested(levels: int):
+        return decode(frame) if levels == 0 else nested(levels - 1)
+
+    for levels in (0, 700, 900):
+        err = nested(levels)
+        assert isinstance(err, Error) and err.id == "42" and err.code == "bad_request", (levels, err)
 
 
 @pytest.mark.parametrize("frame", [b"\xff\xfe", b'{"type": "hello", "client": "\xc3\x28"}', b"\xed\xa0\x80",

@@ -3,7 +3,8 @@ that name context files (completer/imports.py)."""
 
 from completer.imports import imported_files, imported_modules
 from completer.prompt import Snippet
-from completer.retrieval import WINDOW_LINES, Retriever, WindowCache, windows
+from completer.retrieval import (HOLD_GAIN, HOLD_MARGIN, SWITCH_MARGIN, WINDOW_LINES, Retriever, WindowCache,
+                                 query_of, score, windows)
 
 MODELS = "\n".join([
     "class Invoice:",
@@ -40,6 +41,27 @@ def test_the_block_stays_put_while_typing_and_moves_when_the_code_does():
         assert r.select(typed, files) == first  # the same block: the prefix cache still hits
     moved = r.select("shipment.carrier.code\nself.reference\nshipment.tracking_number()", files)
     assert moved != first and "tracking_number" in moved[-1].text
+
+
+def test_while_the_window_holds_a_jump_keeps_the_block_unless_the_new_one_is_far_better():
+    """At a jump within the window the query changes wholesale; a new block
+    would recompute the whole cached window behind it. It takes HOLD_MARGIN
+    and HOLD_GAIN then, SWITCH_MARGIN at a refit."""
+    files = [Snippet("app/models.py", MODELS), Snippet("app/utils.py", UTILS)]
+    near = "total = invoice.total_amount()\nline.price"
+    mixed = "line.price\nself.reference\nshipment.x"  # a jump: a better block, not far better
+    for holds, switched in ((True, False), (False, True)):
+        r = retriever(budget=60)
+        first = r.select(near, files)
+        assert first
+        best = score(query_of(mixed), r._best(query_of(mixed), [w for f in files for w in r.cache.windows(f)]))
+        kept = score(query_of(mixed), r.chosen)
+        assert HOLD_MARGIN * kept + HOLD_GAIN > best > SWITCH_MARGIN * kept  # the case in between
+        assert (r.select(mixed, files, window_holds=holds) != first) == switched
+    r = retriever(budget=60)
+    r.select(near, files)
+    far = r.select("shipment.carrier.code\nself.reference\nshipment.tracking_number()", files, window_holds=True)
+    assert "tracking_number" in far[-1].text  # far better: taken even so
 
 
 def test_a_kept_window_whose_file_changed_is_dropped_and_the_budget_holds():
