@@ -250,8 +250,9 @@ class PromptBuilder:
         typing at the cursor never moves that start until the window
         overflows, and then it jumps ~a whole step, so the tokens before the
         cursor (and their KV) stay the same keystroke after keystroke. Where
-        that would keep less than half the budget (the next start on the grid
-        is too far), the step is halved, down to single lines; a line too long
+        that would keep less than half the budget or lose more than two
+        steps (the next start on the grid is too far), the step is halved, down to
+        single lines; a line too long
         on its own is cut at a char offset on a grid of offsets.
         `count(start, end)`: the tokens of prefix[start:end] (default: encode
         it; warming passes one read off a single encoding); with it, the ids
@@ -312,9 +313,11 @@ class PromptBuilder:
                 lo = mid + 1
         first, step = lo, max(1, step)
         while first < len(starts):
-            # The first start on the grid that fits (a scan: grid starts are ~`step` apart).
-            i = next((k for k in range(first, len(starts)) if on_grid(starts[k], step)), len(starts))
-            if i < len(starts) and (i == first or 2 * cost(starts[i]) >= budget):
+            # The first start on the grid that fits, if within two steps of the first start that
+            # fits (a content-drawn grid has gaps of any length: a window loses at most two steps).
+            i = next((k for k in range(first, min(first + 2 * step, len(starts))) if on_grid(starts[k], step)),
+                     None)
+            if i is not None and (i == first or 2 * cost(starts[i]) >= budget):
                 if count(starts[i], len(prefix)) <= budget:
                     return starts[i]
                 if i == first:  # `cost` was short (odd tokenizations): try the next start

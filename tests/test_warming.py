@@ -177,7 +177,7 @@ async def test_through_the_server_a_jump_after_a_pause_finds_its_window_warm_and
                 left[windows] = timings["prompt_tokens"] - timings["cached_tokens"]
                 warmed[windows] = sum(v for k, v in scrape(server).items()
                                       if k.startswith("completer_warm_requests_total"))
-    assert left[3] <= 8 < 100 <= left[0], (left, warmed)
+    assert left[3] <= 8 < 50 <= left[0], (left, warmed)  # without: the 12 lines (~96 tokens) computed
     assert warmed[3] >= 1 and warmed[0] == 0
 
 
