@@ -39,6 +39,12 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The context block: the windows of the files a client sent that best match the code before the
     # cursor (completer/retrieval.py), kept while typing; false: the files whole, in the client's order.
     retrieval: bool = True
+    # ... and at a jump within the window, kept unless a new choice is far better (retrieval.HOLD_MARGIN):
+    # a new block recomputes the cached window behind it. false: the margin of typing alone.
+    retrieval_hold: bool = True
+    # Where a window may start: "content", lines chosen by a hash of their text (the same starts for the
+    # same text, whatever a client sends above it; prompt.anchored); "lines", line numbers on a grid.
+    window_grid: Literal["content", "lines"] = "content"
 
 
 class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -55,8 +55,10 @@ def outside_window(snippets: list[Snippet], path: str, prefix: str, suffix: str,
 
 
 class DocumentPrompt:
-    def __init__(self, builder: PromptBuilder, retrieval: bool = False, windows: WindowCache | None = None):
+    def __init__(self, builder: PromptBuilder, retrieval: bool = False, windows: WindowCache | None = None,
+                 hold_context: bool = True):
         self.builder = builder
+        self.hold_context = hold_context  # a jump within the window keeps the context (Retriever.select)
         # With retrieval, the context is the best-matching windows of the files sent (kept
         # across keystrokes; `windows`: the files cut, shared with the client's other documents);
         # without, the files in the client's order, whole, while they fit.
@@ -87,7 +89,7 @@ class DocumentPrompt:
         if snippets and path is not None:
             snippets = outside_window(snippets, path, prefix, suffix, b.budget, b.suffix_budget)
         if self.retriever is not None and snippets:
-            holds = bool(self.prefix_ids) and self._window_start_in(prefix) is not None
+            holds = self.hold_context and bool(self.prefix_ids) and self._window_start_in(prefix) is not None
             snippets = self.retriever.select(prefix, snippets, window_holds=holds)
         key = (path, tuple((s.uri, s.text) for s in snippets or ()))
         if key != self.context_key:

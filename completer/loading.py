@@ -32,8 +32,8 @@ class LoadedModel(msgspec.Struct):
             return f"fp8 (emulated: no FP8 tensor cores on {self.device}; quantize, dequantize, fp32 matmul)"
         return self.precision
 
-    def prompt_builder(self, budget: int) -> PromptBuilder:
-        return PromptBuilder(self.tokenizer, self.template, budget)
+    def prompt_builder(self, budget: int, grid: str = "content") -> PromptBuilder:
+        return PromptBuilder(self.tokenizer, self.template, budget, grid=grid)
 
 
 def model_name(directory: Path) -> str:

@@ -69,6 +69,7 @@ class CompletionPipeline:
         self.window = config.model.context_tokens  # prompt and completion
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
+        self.retrieval_hold, self.window_grid = config.model.retrieval_hold, config.model.window_grid
         # (The server's own defaults are never cut: a config may set them past the cap.)
         self.max_deadline_ms = max(config.server.max_deadline_ms, self.defaults.deadline_ms,
                                    self.defaults.first_deadline_ms)
@@ -78,7 +79,8 @@ class CompletionPipeline:
         `retrieval`: choose context windows (None: model.retrieval), from the
         files cut in `windows` (the client's; None: the document's own)."""
         retrieval = self.retrieval if retrieval is None else retrieval
-        return DocumentPrompt(self.target.prompt_builder(self.budget), retrieval, windows)
+        return DocumentPrompt(self.target.prompt_builder(self.budget, self.window_grid), retrieval, windows,
+                              hold_context=self.retrieval_hold)
 
     def request(self, request_id: str, document: Document, context: Iterable[ContextItem] = (),
                 options: RequestOptions = RequestOptions(), state: DocumentPrompt | None = None,

@@ -146,7 +146,8 @@ class PromptBuilder:
     """Renders FIM prompts for one tokenizer and template within a token budget."""
 
     def __init__(self, tokenizer: TextTokenizer, template: FimTemplate, budget: int,
-                 suffix_share: float = 0.25, context_share: float = 0.25, step_lines: int = 32):
+                 suffix_share: float = 0.25, context_share: float = 0.25, step_lines: int = 32,
+                 grid: Literal["content", "lines"] = "content"):
         if budget < 1:
             raise ValueError(f"the prompt budget is {budget} tokens: model.context_tokens must exceed "
                              f"request.max_tokens")
@@ -157,6 +158,7 @@ class PromptBuilder:
         self.suffix_budget = 0 if template.order == "prefix" else int(budget * suffix_share)
         self.context_budget = int(budget * context_share)
         self.step_lines = step_lines
+        self.grid = grid  # window starts: lines chosen by content (`anchored`), or by line number
         self.stop_ids = [i for s in template.stop_tokens if (i := marker_id(tokenizer, s)) is not None]
         self._special: dict[str, int] = {}
         self._space = tokenizer.encode(" ") if template.marker_space else []
@@ -274,20 +276,23 @@ class PromptBuilder:
         reach = max(0, len(prefix) - budget * 8)
         line_starts = [0] if reach == 0 else []
         line_starts += [m.end() for m in NEWLINE.finditer(prefix, max(0, reach - 1))]
-        start = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, count,
-                                  lambda at, step: anchored(prefix, at, step))
+        if self.grid == "content":
+            on_grid = lambda k, step: anchored(prefix, line_starts[k], step)  # noqa: E731
+        else:  # "lines": line numbers that are multiples of the step
+            first_line = prefix.count("\n", 0, line_starts[0])
+            on_grid = lambda k, step: (first_line + k) % step == 0  # noqa: E731
+        start = self._fit_on_grid(prefix, line_starts, budget, self.step_lines, count, on_grid)
         if start is None:
-            line = prefix.rfind("\n") + 1
-            chars = range(line, len(prefix) + 1)
+            chars = range(prefix.rfind("\n") + 1, len(prefix) + 1)
             start = self._fit_on_grid(prefix, chars, budget, 1 << max(0, budget.bit_length() - 2), count,
-                                      lambda at, step: (at - line) % step == 0)
+                                      lambda k, step: k % step == 0)
         assert start is not None  # the empty tail always fits
         return start, [] if counted else tails.get(start) or self.tok.encode(prefix[start:])
 
     def _fit_on_grid(self, prefix: str, starts, budget: int, step: int, count,
                      on_grid: Callable[[int, int], bool]) -> int | None:
         """The earliest of `starts` (sorted char offsets) that is on the grid
-        of `step` (`on_grid(start, step)`) and from which the prefix fits,
+        of `step` (`on_grid(index in starts, step)`) and from which the prefix fits,
         halving `step` while that keeps less than half the budget; None if
         none of `starts` fits."""
         # The word at the cursor (from the last whitespace, within 32 chars) is
@@ -315,7 +320,7 @@ class PromptBuilder:
         while first < len(starts):
             # The first start on the grid that fits, if within two steps of the first start that
             # fits (a content-drawn grid has gaps of any length: a window loses at most two steps).
-            i = next((k for k in range(first, min(first + 2 * step, len(starts))) if on_grid(starts[k], step)),
+            i = next((k for k in range(first, min(first + 2 * step, len(starts))) if on_grid(k, step)),
                      None)
             if i is not None and (i == first or 2 * cost(starts[i]) >= budget):
                 if count(starts[i], len(prefix)) <= budget:

@@ -32,7 +32,8 @@ from latency_bench.neovim_jump import TYPED, files, jumps, ranks
 from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
-ROWS = {"warming": ("server.warm_windows=3",), "no_warming": ("server.warm_windows=0",)}
+ROWS = {"warming": ("server.warm_windows=3",), "no_warming": ("server.warm_windows=0",),
+        "line_grid": ("server.warm_windows=3", "model.window_grid=lines")}  # the window grid by line number
 console = Console(width=140)
 
 

@@ -33,6 +33,8 @@ from latency_bench.run_results import machine, now, write_result
 
 ROWS = {"warming": ("server.warm_windows=3",),  # the defaults
         "warming_5": ("server.warm_windows=5",),
+        # The window grid and context of before 2026-12-05 evening: line numbers, typing's switch margin.
+        "line_grid": ("server.warm_windows=3", "model.window_grid=lines", "model.retrieval_hold=false"),
         "no_warming": ("server.warm_windows=0",),
         "fifo": ("engine.interactive_first=false", "server.warm_windows=0")}
 TYPED = 2

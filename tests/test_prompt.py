@@ -141,6 +141,23 @@ def test_window_on_long_document(toks, doc, name):
     assert len(prompt.tokens) > 0.8 * b.budget
 
 
+def test_the_line_number_grid_switch_starts_windows_on_multiples_of_the_step(toks, doc):
+    """model.window_grid = "lines": the grid before the content-drawn one,
+    kept to measure it against: the same text sent from another origin (two
+    lines fewer above) starts its window elsewhere, on the content grid not."""
+    prefix, suffix = doc
+    for grid in ("lines", "content"):
+        b = builder(toks, "default", step_lines=8, grid=grid)
+        start = b.build(prefix, suffix).window.prefix_start
+        line = prefix.count("\n", 0, start)
+        cut = prefix.find("\n", prefix.find("\n") + 1) + 1  # two lines fewer above
+        again = b.build(prefix[cut:], suffix).window.prefix_start + cut
+        if grid == "lines":
+            assert line % 8 == 0 and again != start
+        else:
+            assert anchored(prefix, start, 8) and again == start
+
+
 def test_typing_keeps_the_window_and_the_tokens_before_the_cursor(toks, doc, files):
     prefix, suffix = doc
     typed = files[1][7].text[5000:5200]  # 200 chars of real code, newlines included
