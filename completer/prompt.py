@@ -252,10 +252,11 @@ class PromptBuilder:
         typing at the cursor never moves that start until the window
         overflows, and then it jumps ~a whole step, so the tokens before the
         cursor (and their KV) stay the same keystroke after keystroke. Where
-        that would keep less than half the budget or lose more than two
-        steps (the next start on the grid is too far), the step is halved, down to
-        single lines; a line too long
-        on its own is cut at a char offset on a grid of offsets.
+        that would keep less than half the budget or lose more than two steps
+        (the next start on the grid is too far), the step is halved, down to
+        single lines; a line too long on its own is cut at a char offset on a
+        grid of offsets (`grid = "lines"`: line numbers that are multiples of
+        the step, the grid before this one, kept to measure it against).
         `count(start, end)`: the tokens of prefix[start:end] (default: encode
         it; warming passes one read off a single encoding); with it, the ids
         returned are [] (the start is what is asked)."""
@@ -292,9 +293,9 @@ class PromptBuilder:
     def _fit_on_grid(self, prefix: str, starts, budget: int, step: int, count,
                      on_grid: Callable[[int, int], bool]) -> int | None:
         """The earliest of `starts` (sorted char offsets) that is on the grid
-        of `step` (`on_grid(index in starts, step)`) and from which the prefix fits,
-        halving `step` while that keeps less than half the budget; None if
-        none of `starts` fits."""
+        of `step` (`on_grid(index in starts, step)`) and from which the prefix
+        fits, halving `step` while that keeps less than half the budget or is
+        two steps away; None if none of `starts` fits."""
         # The word at the cursor (from the last whitespace, within 32 chars) is
         # counted as at least `margin` tokens: merges make its count dip while it
         # is typed, and a dip must not flip the window back and forth.
