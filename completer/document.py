@@ -88,9 +88,9 @@ class DocumentPrompt:
         self.retokenized_chars = 0
         if snippets and path is not None:
             snippets = outside_window(snippets, path, prefix, suffix, b.budget, b.suffix_budget)
+        start = self._window_start_in(prefix) if self.prefix_ids else None  # where the window is now, if kept
         if self.retriever is not None and snippets:
-            holds = self.hold_context and bool(self.prefix_ids) and self._window_start_in(prefix) is not None
-            snippets = self.retriever.select(prefix, snippets, window_holds=holds)
+            snippets = self.retriever.select(prefix, snippets, window_holds=self.hold_context and start is not None)
         key = (path, tuple((s.uri, s.text) for s in snippets or ()))
         if key != self.context_key:
             self.context_key = key
@@ -105,7 +105,7 @@ class DocumentPrompt:
         overhead = len(b.assemble([], [], []))
         budget = b.budget - len(self.context) - len(self.suffix_ids) - overhead
         self.prefix_budget = budget
-        if not self._extend_prefix(prefix, budget):
+        if start is None or not self._extend_prefix(prefix, start, budget):
             self.prefix_start, _ = b.fit_prefix(prefix, budget)
             self.before_start = prefix[max(0, self.prefix_start - BEFORE_CHARS): self.prefix_start]
             self.prefix_text = prefix[self.prefix_start:]
@@ -114,12 +114,9 @@ class DocumentPrompt:
         return Prompt(tokens=tokens, window=Window(self.prefix_start, self.suffix_end),
                       prefix_tokens=len(self.prefix_ids))
 
-    def _extend_prefix(self, prefix: str, budget: int) -> bool:
-        """Re-tokenize only the changed tail, keeping the window's start; False
-        when the start no longer holds (an edit at it, or an overflow)."""
-        start = self._window_start_in(prefix) if self.prefix_ids else None
-        if start is None:
-            return False
+    def _extend_prefix(self, prefix: str, start: int, budget: int) -> bool:
+        """Re-tokenize only the changed tail, keeping the window's start (now at
+        `start`); False when it no longer holds (an edit at it, or an overflow)."""
         text = prefix[start:]
         same = common_prefix_length(self.prefix_text, text)
         if same == 0:
