@@ -94,6 +94,9 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A file to append one JSON line to per finished request: its arrival, route, client, end and timings,
     # never its text (server/request_log.py). "": none.
     request_log: str = ""
+    # `done.hold_ms`: how long the server asks a client to wait after a keystroke before asking (0 unless
+    # requests wait for the engine; server/hold.py). false: not sent (clients ask at once, or by their own rule).
+    client_hold: bool = True
 
 
 class CompatSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

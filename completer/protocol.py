@@ -141,6 +141,9 @@ class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True, omit_defau
     # Only when the request asked for `n` > 1 (so older clients never see it):
     # the other completions, most likely first token first; maybe fewer than n - 1.
     candidates: list[str] | None = None
+    # An extension (`server.client_hold`): wait this long after a keystroke before the next `complete`;
+    # 0 when the server is idle or fast (ask at once). Absent from a server that does not say.
+    hold_ms: float | None = None
 
 
 ErrorCode = Literal["bad_request", "unsupported", "too_large", "overloaded", "internal"]

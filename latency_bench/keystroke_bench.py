@@ -93,12 +93,18 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "fifo": (KV, "engine.interactive_first=false"),
     # Warming (#42): the windows a document's next jump may take, prefilled while idle; off.
     "no_warming": (KV, "server.warm_windows=0"),
+    # The clients' wait after a key (#48; client_wait.py): every row but these follows the plugins' rule
+    # (at once unless the server holds them back or is slower than the typing); the rule before (the typing
+    # rhythm), and every key at once with the server's hold off.
+    "client_rhythm": (KV,),
+    "client_every_key": (KV, "server.client_hold=false"),
     # Opening a file (up to ~960 uncached tokens) goes to a prefill worker on the
     # other core; the engine keeps one. The threshold is below the window so it can.
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
                "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
 }
 CONTEXT_FILES = {"context": 3, "context_whole": 3}  # rows whose editors send context
+CLIENT_WAIT = {"client_rhythm": "rhythm", "client_every_key": "none"}  # rows whose editors wait otherwise
 LLAMA_ROWS = ("llama_matched", "llama_q4_1", "llama_q4_1_ngram")
 KEYS = ("completer_spec_decode_num_draft_tokens", "completer_spec_decode_num_accepted_tokens")
 
@@ -156,7 +162,8 @@ def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args
         for n in editors:
             before = scrape(server.http)
             opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}",
-                                 context_files=CONTEXT_FILES.get(name, 0))
+                                 context_files=CONTEXT_FILES.get(name, 0),
+                                 client_wait=CLIENT_WAIT.get(name, "server"))
             shooting = None
             if shot is not None and n == max(editors):  # the dashboard while the most editors type
                 shooting = threading.Timer(args.seconds * 0.85, screenshot,

@@ -30,6 +30,10 @@ def fmt(v, unit: str = "") -> str:
     return f"{v:,.0f}{unit}" if isinstance(v, (int, float)) else str(v)
 
 
+def per_key(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -65,16 +69,17 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
 def table(result: dict) -> list[str]:
     rows = result["rows"]
     base = rows.get("all_on", {}).get("runs", {})
-    out = ["| row | editors | keys | served before next key | TTFT p50 / p90 / p99 (n) | line end-to-end p50 / p99 (n) "
+    out = ["| row | editors | keys | requests per key | served before next key | TTFT p50 / p90 / p99 (n) | line end-to-end p50 / p99 (n) "
            "| ITL p50 | exact match (n) | vs all_on, both finished (n) | cached share | accepted of shown "
            "| draft acceptance | errors | p99 TTFT vs all_on | p50 line vs all_on |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         for n, r in row["runs"].items():
             b = base.get(n, {})
             pair = both_finished(r, b) if name != "all_on" else None
             out.append(
-                f"| {name} | {n} | {r['keystrokes']:,} | {fmt(r['served_before_next_key'], '%')} "
+                f"| {name} | {n} | {r['keystrokes']:,} | {per_key(r.get('requests_per_key'))} "
+                f"| {fmt(r['served_before_next_key'], '%')} "
                 f"| {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p90_ms'])} / {fmt(r['ttft_p99_ms'])} ms "
                 f"({r.get('ttft_n', '?')}) "
                 f"| {fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms ({r.get('e2e_n', '?')}) "

@@ -6,7 +6,8 @@
 
 Each editor types its trace (`keystrokes.py`) at the trace's own times (open
 loop: a person does not wait for the model) and asks for a completion after
-every key, as the plugins do:
+every key, after the wait the plugins' rule gives (`client_wait.py`; a key
+the next one comes before sends nothing; every figure counts from the key):
 
 - completer (`--url`): one WebSocket per editor; a `complete` per key (the
   next one supersedes it on the server), a `cancel` when the editor moves to
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import msgspec
 
+from latency_bench.client_wait import ClientWait
 from latency_bench.editors import percentile_ms as nearest_rank_ms
 from latency_bench.keystrokes import EditorState, Trace, corpus_files, make_trace
 
@@ -48,7 +50,7 @@ DRAIN_S = 5.0  # after the last key: answers still owed get this long beyond the
 class Sample(msgspec.Struct):
     editor: int
     key: int
-    sent_s: float  # since the run's start
+    sent_s: float  # since the run's start: the key (its request left `wait_s` later, if it did)
     next_key_s: float | None  # until the editor's next key; None after its last
     expect: str
     ttft_s: float | None = None  # first streamed text
@@ -59,6 +61,7 @@ class Sample(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     timings: dict | None = None  # completer's `done.timings` (the server's side of the timeline)
+    wait_s: float = 0.0  # the client's wait before asking (client_wait.py)
 
 
 class ReplayOptions(msgspec.Struct, frozen=True):
@@ -71,6 +74,7 @@ class ReplayOptions(msgspec.Struct, frozen=True):
     # Context sent with each keystroke, as the clients send open buffers: the editor's
     # most recently used other documents, whole, as they are now (0: none).
     context_files: int = 0
+    client_wait: str = "server"  # the plugins' rule for the wait after a key (client_wait.py)
 
 
 def traces(files: list[tuple[str, str]], opts: ReplayOptions) -> list[Trace]:
@@ -126,6 +130,9 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
                     s.outcome = f"error:{msg['code']}"
                     continue
                 s.outcome, t = f"done:{msg['reason']}", msg["timings"]
+                if msg["reason"] != "cancelled":
+                    first = s.ttft_s if s.ttft_s is not None else s.answer_s
+                    wait.answered(first - s.wait_s, s.answer_s - s.wait_s, msg.get("hold_ms"), now)
                 if msg["reason"] == "cancelled":  # superseded: nothing was shown
                     s.text = ""
                 s.generated, s.prompt_tokens, s.cached_tokens = (
@@ -135,6 +142,7 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
                     await ws.send(json.dumps({"type": "feedback", "id": msg["id"],
                                               "accepted_chars": len(s.text) if accepted(s) else 0}))
 
+        wait = ClientWait(opts.client_wait)
         reader = asyncio.create_task(read())
         state, last = EditorState(trace), None
         recent: list[int] = []  # documents by last use, most recent first
@@ -142,9 +150,17 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             prefix, suffix = state.press(key)
             rid = f"{trace.editor}-{n}"
+            wait.keystroke(at)
+            delay = wait.delay(at)
+            if delay > 0 and nxt is not None and nxt <= delay:  # the next key comes first: nothing sent
+                samples.append(Sample(trace.editor, n, at, nxt, key.expect, outcome="not_sent", wait_s=delay))
+                progress()
+                continue
+            if delay > 0:
+                await asyncio.sleep(max(0.0, start + at + delay - time.perf_counter()))
             if last is not None and last[1] != key.doc and last[0] in live:  # left that document
                 await ws.send(json.dumps({"type": "cancel", "id": last[0]}))
-            s = Sample(trace.editor, n, time.perf_counter() - start, nxt, key.expect)
+            s = Sample(trace.editor, n, time.perf_counter() - start - delay, nxt, key.expect, wait_s=delay)
             live[rid], last = s, (rid, key.doc)
             samples.append(s)
             if key.doc in recent:
@@ -279,6 +295,7 @@ def summarize(samples: list[Sample], deadline_ms: float = ReplayOptions().deadli
     outcomes = Counter(s.outcome for s in samples)
     return {
         "keystrokes": len(samples),
+        "requests_per_key": round(sum(s.outcome != "not_sent" for s in samples) / max(1, len(samples)), 4),
         "ttft_n": len(firsts), "e2e_n": len(ended), "itl_n": len(itl),
         "served_before_next_key": round(sum(a is not None and a <= n for a, n in first_answer)
                                         / max(1, len(first_answer)), 4),

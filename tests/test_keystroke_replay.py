@@ -1,5 +1,5 @@
 """The keystroke replay (latency_bench/keystrokes.py, replay.py,
-keystroke_bench.py): traces type real code back; two editors replayed for a
+keystroke_bench.py, client_wait.py): traces type real code back; two editors replayed for a
 few seconds against the real server get every keystroke answered once; the
 matrix command runs end to end, a switched-off prefix cache shows and its
 report describes the run. A replay is timed typing: how much of it completes
@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from latency_bench.client_wait import ClientWait
 from latency_bench.harness import ROOT, TOKEN, collect, complete_msg, connect, running_server
 from latency_bench.keystrokes import EditorState, corpus_files, make_trace
 from latency_bench.replay import ReplayOptions, replay, summarize, traces
@@ -52,11 +53,42 @@ def test_two_editors_replayed_against_the_server_get_every_keystroke_answered_on
     summary = summarize(samples)
     assert summary["keystrokes"] >= 40 and {s.editor for s in samples} == {0, 1}
     assert summary["errors"] == 0, summary["outcomes"]
-    assert all(s.outcome.startswith("done:") for s in samples), summary["outcomes"]
+    # Each key one outcome: answered, or (the clients' rule: only while the server is slower than the
+    # typing) nothing sent because the next key came first.
+    assert all(s.outcome.startswith("done:") or s.outcome == "not_sent" for s in samples), summary["outcomes"]
     # How many finish before the next key depends on the machine's speed: not asserted here (the
     # benchmark measures it; the test below, keystrokes one after another, asserts completions).
     shown = [line for line in metrics.splitlines() if line.startswith("completer_feedback_shown_chars_total")]
     assert summary["shown"] == 0 or float(shown[0].split()[-1]) > 0  # feedback reached the server
+
+
+def test_the_clients_wait_asks_at_once_unless_held_back_or_slower_than_the_typing():
+    server, rhythm, every = ClientWait("server"), ClientWait("rhythm"), ClientWait("none")
+    for t in range(20):
+        for w in (server, rhythm, every):
+            w.keystroke(t * 0.12)
+    assert server.delay(2.4) == every.delay(2.4) == 0 and rhythm.delay(2.4) == pytest.approx(0.105)
+    for _ in range(8):
+        for w in (server, rhythm):
+            w.answered(0.03, 0.08, 0.0, 2.4)
+    assert server.delay(2.4) == 0  # fast answers, no hold: at once, whatever the typing rhythm
+    assert rhythm.delay(2.4) == pytest.approx(0.08, abs=1e-3)  # the rule before: the latency, under 1.5 gaps
+    server.answered(0.03, 0.08, 60.0, 2.5)
+    assert server.delay(2.6) == pytest.approx(0.06) and server.delay(2.5 + 3.1) == 0  # a hold, while fresh
+    for _ in range(5):
+        server.answered(0.4, 0.5, 0.0, 3.0)
+    assert server.delay(3.0) == pytest.approx(1.5 * server.gap)  # slower than the typing: a pause
+
+
+def test_a_key_the_next_one_cuts_short_sends_nothing_and_the_rest_are_answered(files):
+    opts = ReplayOptions(editors=1, seconds=6, run="wait", client_wait="rhythm")
+    with running_server() as server:
+        samples = asyncio.run(replay(traces(files, opts), opts, url=server.ws_url, token=TOKEN))
+    summary = summarize(samples)
+    outcomes = summary["outcomes"]
+    assert outcomes.get("not_sent", 0) > 0 and summary["requests_per_key"] < 1, outcomes
+    assert all(s.outcome.startswith("done:") or s.outcome == "not_sent" for s in samples), outcomes
+    assert all(s.wait_s > 0 for s in samples)  # the rule before always waits (10-200 ms)
 
 
 def test_keystrokes_typed_one_after_another_find_most_of_their_prompt_cached(files):

@@ -979,30 +979,38 @@ def test_checkhealth_without_a_server(editor, tmp_path):
     assert "does not answer" in out and "ERROR" in out, out
 
 
-def test_adaptive_debounce(editor):
+def test_the_debounce_asks_at_once_unless_the_server_is_busy_or_slower_than_the_typing(editor):
     delays = editor.lua("""
         local Debounce = require('completer.debounce')
-        local d = Debounce.new(10, 200)
-        local out = { d:delay() }               -- nothing known yet: the middle
-        d:latency(20); out[2] = d:delay()        -- a fast server: ask at once
-        for _ = 1, 20 do d:latency(500) end
-        out[3] = d:delay()                       -- a slow one: wait longer, up to the maximum
-        for t = 0, 2000, 80 do d:keystroke(t) end
-        out[4] = d:delay()                       -- but not past 1.5 keystroke gaps
-        local f = Debounce.new(10, 200)
-        for _ = 1, 10 do f:latency(2) end
-        out[5] = f:delay()                       -- never under the minimum
+        local d = Debounce.new(0, 300)
+        local out = { d:delay(0) }               -- nothing known: ask at once
+        local t = 0
+        for _ = 1, 20 do t = t + 120; d:keystroke(t) end
+        for _ = 1, 8 do d:first_answer(30) end
+        out[2] = d:delay(t)                      -- a fast server, a steady typist: at once, whatever the rhythm
+        d:hold(60, t); out[3] = d:delay(t + 100) -- the server says it is busy: its hold
+        out[4] = d:delay(t + 3001)               -- an old hold is not followed
+        d:hold(0, t)                             -- (the next done: not busy any more)
+        d:first_answer(1000); out[5] = d:delay(t) -- one slow answer among fast ones (a jump's prefill)
+        for _ = 1, 4 do d:first_answer(400) end
+        out[6] = d:delay(t)                      -- answers slower than the keystrokes: a pause, 1.5 gaps
+        d:hold(900, t); out[7] = d:delay(t)      -- never past the maximum
+        local f = Debounce.new(10, 100)
+        out[8] = f:delay(0)                      -- never under the minimum
         return out""")
-    assert delays == [105, 20, 200, 120, 10]
+    assert delays == [0, 0, 60, 0, 0, 180, 300, 10]
 
 
-def test_adaptive_debounce_follows_the_server(server, editor, tmp_path):
+def test_the_debounce_follows_what_the_real_server_says(server, editor, tmp_path):
     setup(editor, server, mode="line", max_tokens=8)  # debounce_ms unset: adaptive
     start_typing(editor, tmp_path / "ad.py")
     type_until_completion(editor, "return os.path")
     st = status(editor)["debounce"]
-    wanted = st["latency_ms"] if st.get("typing_gap_ms") is None else min(st["latency_ms"], 1.5 * st["typing_gap_ms"])
-    assert st["delay_ms"] == math.floor(min(200, max(10, wanted)) + 0.5), st
+    assert st["hold_ms"] == 0, st  # one editor: the server is not loaded, and says so
+    first, gap = st["first_answer_ms"], st.get("typing_gap_ms")
+    assert first is not None and first > 0, st
+    wanted = 1.5 * gap if gap is not None and first > gap else 0
+    assert st["delay_ms"] == math.floor(min(200, wanted) + 0.5), st
 
 
 # -- Latency ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ knows neither the app nor the doors."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Literal
@@ -35,6 +36,7 @@ from completer.loading import LoadedModel
 from completer.pipeline import CompletionPipeline, RequestOptions
 from completer.protocol import ContextItem, Document
 from completer.retrieval import WindowCache
+from completer.server.hold import ClientHold
 from completer.server.metrics import Metrics
 from completer.server.request_log import RequestLog
 from completer.server.warming import Warmer
@@ -263,6 +265,7 @@ class CompletionService:
         self.stopping = False  # shutting down: no new requests start
         self.clients: set[Client] = set()  # until they close (their senders share their state)
         self.request_log = RequestLog(config.server.request_log) if config.server.request_log else None
+        self.hold = ClientHold() if config.server.client_hold else None
 
     def attach(self, pipeline: CompletionPipeline, engine: Engine | LinkedEngine, target: LoadedModel,
                draft: LoadedModel | None) -> None:
@@ -289,6 +292,10 @@ class CompletionService:
     def in_flight(self) -> int:
         return sum(len(c.inflight) for c in self.clients)
 
+    def hold_ms(self) -> float | None:
+        """What a `done` sent now says a client should wait after a keystroke (None: the server does not say)."""
+        return None if self.hold is None else self.hold.hold_ms(time.perf_counter())
+
     def stop(self) -> None:
         """Start nothing new, and cancel every request in flight (each ends `cancelled`)."""
         self.stopping = True
@@ -300,6 +307,8 @@ class CompletionService:
         door's, where that ended it; else the engine's)."""
         reason, priming = reason or finished.reason, flight.request.params.priming
         self.metrics.observe_done(finished.timings, reason, flight.received, priming=priming, route=flight.route)
+        if self.hold is not None and not priming and finished.timings.ttft_ms > 0:  # (admitted: its wait is known)
+            self.hold.observe(time.perf_counter(), finished.timings)
         if self.request_log is not None:
             self.request_log.write(flight.received, flight.id, flight.route, flight.request.client, reason, priming,
                                    finished.timings)

@@ -196,10 +196,10 @@ class Session:
         priming = flight.request.params.priming
         if not priming:  # remembered before sending: the client may answer `done` with feedback at once
             self.remember_offered(request_id, (done.text, *done.candidates))
+        self.service.observe(flight, done)
         # `candidates` only for a client that asked for them (an older one never sees the field).
         self.send(Done(request_id, done.reason, done.text, done.timings,
-                       list(done.candidates) if msg.n > 1 else None))
-        self.service.observe(flight, done)
+                       list(done.candidates) if msg.n > 1 else None, self.service.hold_ms()))
 
     def remember_offered(self, request_id: str, texts: tuple[str, ...]) -> None:
         self.offered[request_id] = tuple(map(len, texts))

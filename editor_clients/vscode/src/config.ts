@@ -53,7 +53,7 @@ export function readSettings(): Settings {
     serverUrl: c.get<string>('serverUrl', 'ws://127.0.0.1:8750/v1/ws') || 'ws://127.0.0.1:8750/v1/ws',
     token: c.get<string>('token', '') ?? '',
     tokenFile: c.get<string>('tokenFile', '') ?? '',
-    debounceMinMs: num('debounce.minMs', 30),
+    debounceMinMs: num('debounce.minMs', 0),
     debounceMaxMs: num('debounce.maxMs', 300),
     maxTokens: num('maxTokens', 0),
     deadlineMs: num('deadlineMs', 0),

@@ -1,7 +1,17 @@
-// How long to wait after a keystroke before asking for a completion: about
-// one of the user's usual keystroke gaps (so a burst of typing sends nothing),
-// shortened by half the recent latency (a slow answer is started sooner),
-// clamped to [minMs, maxMs]. Both averages are exponential moving averages.
+// How long to wait after a keystroke before asking for a completion. A warm
+// keystroke costs the server a few tokens and a superseded request is
+// cancelled at once, so the client asks at once (as llama.vim does) and waits
+// only when the server is busy or slow, never for the user's typing rhythm
+// alone:
+// - busy: the server's last `done` said `hold_ms` (its requests wait for the
+//   engine; server.client_hold), followed for HOLD_FRESH_MS;
+// - slow: the server's recent first answers (the median of the last FIRSTS
+//   sends to their first delta) take longer than the user's usual gap between
+//   keys, so a request sent mid-burst is answered after the next key anyway:
+//   then only a pause (GAP_FACTOR gaps) is asked about.
+// Clamped to [minMs, maxMs]. The typing gap is an exponential moving average;
+// the first answers a median (one long prefill after a jump is not the server
+// being slow). The Neovim plugin's debounce.lua is the same rule.
 
 export interface DebounceRange {
   minMs: number;
@@ -12,12 +22,23 @@ export interface DebounceRange {
 const PAUSE_MS = 1000;
 const ALPHA = 0.3;
 const GAP_FACTOR = 1.5;
-const LATENCY_FACTOR = 0.5;
+const FIRSTS = 8;
+const HOLD_FRESH_MS = 3000;
+
+function median(xs: number[]): number | undefined {
+  if (xs.length === 0) {
+    return undefined;
+  }
+  const s = [...xs].sort((a, b) => a - b);
+  const n = s.length;
+  return n % 2 === 1 ? s[(n - 1) / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+}
 
 export class AdaptiveDebounce {
   private gapEma: number | undefined;
-  private latencyEma: number | undefined;
   private lastKeystroke: number | undefined;
+  private readonly firsts: number[] = [];
+  private held: { ms: number; at: number } | undefined;
 
   constructor(private range: DebounceRange) {}
 
@@ -36,28 +57,41 @@ export class AdaptiveDebounce {
     this.lastKeystroke = now;
   }
 
-  /** A completed request's latency (send to done), in ms. */
-  latency(ms: number): void {
-    this.latencyEma = this.latencyEma === undefined ? ms : ALPHA * ms + (1 - ALPHA) * this.latencyEma;
+  /** A request's first answer (its first delta, or its end if none came), `ms` after it was sent. */
+  firstAnswer(ms: number): void {
+    this.firsts.push(ms);
+    if (this.firsts.length > FIRSTS) {
+      this.firsts.shift();
+    }
+  }
+
+  /** The server's `done.hold_ms`, received at `now` ms. */
+  hold(ms: number, now: number): void {
+    this.held = { ms, at: now };
   }
 
   get typingGapMs(): number | undefined {
     return this.gapEma;
   }
 
-  get latencyMs(): number | undefined {
-    return this.latencyEma;
+  get firstAnswerMs(): number | undefined {
+    return median(this.firsts);
   }
 
-  /** The wait before the next request, in ms. */
-  delayMs(): number {
+  get holdMs(): number | undefined {
+    return this.held?.ms;
+  }
+
+  /** The wait before the next request at `now` ms. */
+  delayMs(now: number): number {
     const { minMs, maxMs } = this.range;
     const lo = Math.max(0, Math.min(minMs, maxMs));
     const hi = Math.max(lo, maxMs);
-    if (this.gapEma === undefined) {
-      return (lo + hi) / 2;
+    let wanted = this.held && now - this.held.at <= HOLD_FRESH_MS ? this.held.ms : 0;
+    const first = this.firstAnswerMs;
+    if (first !== undefined && this.gapEma !== undefined && first > this.gapEma) {
+      wanted = Math.max(wanted, GAP_FACTOR * this.gapEma);
     }
-    const wanted = GAP_FACTOR * this.gapEma - LATENCY_FACTOR * (this.latencyEma ?? 0);
     return Math.round(Math.min(hi, Math.max(lo, wanted)));
   }
 }

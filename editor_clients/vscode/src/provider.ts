@@ -188,8 +188,9 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       return undefined; // quiet: the status bar says why
     }
     if (context.triggerKind === vscode.InlineCompletionTriggerKind.Automatic) {
-      this.debounce.keystroke(Date.now());
-      if (!(await sleep(this.debounce.delayMs(), token))) {
+      const now = Date.now();
+      this.debounce.keystroke(now);
+      if (!(await sleep(this.debounce.delayMs(now), token))) {
         return undefined;
       }
     }
@@ -245,7 +246,10 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     });
     const ended = result.reason === 'stop' || result.reason === 'length' || result.reason === 'eos' || result.reason === 'deadline';
     if (ended) {
-      this.debounce.latency(result.latencyMs);
+      this.debounce.firstAnswer(result.firstAnswerMs);
+    }
+    if (result.holdMs !== undefined) {
+      this.debounce.hold(result.holdMs, Date.now());
     }
     const alternatives = ended ? alternativesOf([result.text, ...result.candidates]) : [];
     if (alternatives.length === 0) {

@@ -59,6 +59,7 @@ interface InFlight {
   uri: string;
   deltas: string[];
   sentAt: number;
+  firstAt?: number;
   cancelRequested: boolean;
   purpose: RequestPurpose;
   /** Ends the request as `timeout` when its deadline and margin pass without an answer. */
@@ -152,6 +153,7 @@ export class InFlightRequests {
     }
     if (msg.type === 'delta' && typeof msg.text === 'string') {
       entry.deltas.push(msg.text);
+      entry.firstAt ??= performance.now();
       entry.onDelta?.(msg.text);
     } else if (msg.type === 'done') {
       this.finish(entry, {
@@ -159,6 +161,7 @@ export class InFlightRequests {
         text: typeof msg.text === 'string' ? msg.text : entry.deltas.join(''),
         candidates: Array.isArray(msg.candidates) ? msg.candidates.filter((c): c is string => typeof c === 'string') : [],
         timings: msg.timings as Timings | undefined,
+        holdMs: typeof msg.hold_ms === 'number' ? msg.hold_ms : undefined,
       });
     } else if (msg.type === 'error') {
       this.sentFor.delete(entry.uri); // refused before the server took the document in: its next request is its first
@@ -207,11 +210,13 @@ export class InFlightRequests {
     if (current?.delete(entry.id) && current.size === 0) {
       this.currentByUri.delete(entry.uri);
     }
+    const now = performance.now();
     const result: CompletionResult = {
       id: entry.id,
       deltas: entry.deltas,
       candidates: [],
-      latencyMs: performance.now() - entry.sentAt,
+      latencyMs: now - entry.sentAt,
+      firstAnswerMs: (entry.firstAt ?? now) - entry.sentAt,
       cancelRequested: entry.cancelRequested,
       purpose: entry.purpose,
       ...end,

@@ -69,28 +69,31 @@ describe('bounds', () => {
 });
 
 describe('AdaptiveDebounce', () => {
-  it('stays in its range and follows the typing rhythm and latency', () => {
-    const d = new AdaptiveDebounce({ minMs: 20, maxMs: 400 });
-    assert.equal(d.delayMs(), 210, 'no rhythm yet: the middle of the range');
+  it('asks at once unless the server is busy or slower than the typing, within its range', () => {
+    const d = new AdaptiveDebounce({ minMs: 0, maxMs: 300 });
+    assert.equal(d.delayMs(0), 0, 'nothing known: ask at once');
     let t = 0;
     for (let i = 0; i < 20; i++) {
-      d.keystroke((t += 100));
+      d.keystroke((t += 120));
     }
-    const typing = d.delayMs();
-    assert.ok(Math.abs(typing - 150) <= 1, `about 1.5 gaps: ${typing}`);
-    for (let i = 0; i < 20; i++) {
-      d.keystroke((t += 30));
+    for (let i = 0; i < 8; i++) {
+      d.firstAnswer(30);
     }
-    assert.ok(d.delayMs() < typing, 'faster typing waits less');
-    for (let i = 0; i < 20; i++) {
-      d.latency(60);
+    assert.equal(d.delayMs(t), 0, 'a fast server and a steady typist: at once, whatever the rhythm');
+    d.hold(60, t);
+    assert.equal(d.delayMs(t + 100), 60, 'the server says it is busy: its hold');
+    assert.equal(d.delayMs(t + 3001), 0, 'an old hold is not followed');
+    d.hold(0, t); // the next done: not busy any more
+    d.firstAnswer(1000);
+    assert.equal(d.delayMs(t), 0, 'one slow answer among fast ones (a jump\'s prefill) is not a slow server');
+    for (let i = 0; i < 4; i++) {
+      d.firstAnswer(400);
     }
-    assert.equal(d.delayMs(), 20, 'slow server: clamped to min');
-    d.keystroke((t += 5000)); // a pause is not rhythm
-    for (let i = 0; i < 30; i++) {
-      d.keystroke((t += 900));
-    }
-    assert.equal(d.delayMs(), 400, 'clamped to max');
+    assert.equal(d.delayMs(t), 180, 'answers slower than the keystrokes (median of the last 8): wait for a pause, 1.5 gaps');
+    d.hold(900, t);
+    assert.equal(d.delayMs(t), 300, 'clamped to max');
+    const fixed = new AdaptiveDebounce({ minMs: 150, maxMs: 150 });
+    assert.equal(fixed.delayMs(0), 150, 'min = max: a fixed wait');
   });
 });
 

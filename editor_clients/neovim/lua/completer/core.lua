@@ -421,7 +421,7 @@ function M.on_edit(entering)
   -- (Manual or snoozed: not even the cache shows a suggestion unasked.)
   if not M.allowed(snap.buf) or not M.automatic() or M.serve(snap, t_key) then return end
   S.pending_key, S.pending_key_ns = skey, t_key
-  local delay = S.cfg.debounce_ms or S.debounce:delay()
+  local delay = S.cfg.debounce_ms or S.debounce:delay(t_key / 1e6)
   uv.update_time() -- the loop's clock may be stale: the debounce counts from now
   S.timer:start(delay, 0, vim.schedule_wrap(M.trigger))
 end

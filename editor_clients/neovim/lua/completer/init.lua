@@ -107,7 +107,7 @@ function M.status()
   st.trigger, st.snoozed_min = S.cfg.trigger, core.snoozed()
   local n = #S.latency
   st.last_latency = n > 0 and S.latency[n] or nil
-  st.debounce = S.debounce:state()
+  st.debounce = S.debounce:state(core.now() / 1e6)
   st.cache = { entries = #S.cache.order, hits = S.cache.hits, misses = S.cache.misses }
   return st
 end
