@@ -95,7 +95,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # never its text (server/request_log.py). "": none.
     request_log: str = ""
     # `done.hold_ms`: how long the server asks a client to wait after a keystroke before asking (0 unless
-    # requests wait for the engine; server/hold.py). false: not sent (clients ask at once, or by their own rule).
+    # other clients share the engine and requests wait for it; server/hold.py). false: not sent.
     client_hold: bool = True
 
 

@@ -2,28 +2,24 @@
 the plugins decide it, so the keystroke bench can put the rules side by side:
 
 - `server` (what both clients do now; debounce.lua and debounce.ts): ask at
-  once, unless the server's last `done.hold_ms` (fresh: HOLD_FRESH_S) says to
-  wait, or its recent first answers (the median of the last FIRSTS) come
-  slower than the typist's usual gap, when only a pause (1.5 gaps) asks;
-- `rhythm` (the rule before): the recent latency (send to done, a moving
-  average) but at most 1.5 of the usual gap, within [10, 200] ms (the Neovim
-  plugin's bounds), the middle of them before anything is known;
-- `none`: every key at once (llama.vim's rule).
+  once, unless the server's last `done.hold_ms`, received within
+  HOLD_FRESH_S, says to wait (within [0, 200] ms, the Neovim plugin's bounds);
+- `rhythm` (the Neovim plugin's rule before): the recent latency (send to
+  done, a moving average) but at most 1.5 of the typist's usual gap, within
+  [10, 200] ms, the middle of them before anything is known;
+- `none`: every key at once, whatever the server says (llama.vim's rule).
 
 A key whose wait the next key cuts short sends nothing.
 """
 
 from __future__ import annotations
 
-from statistics import median
-
 PAUSE_S = 1.0  # gaps longer than this are pauses, not the typing rhythm
 ALPHA = 0.3
 GAP_FACTOR = 1.5
-FIRSTS = 8
 HOLD_FRESH_S = 3.0
 MIN_S, MAX_S = 0.0, 0.2  # the Neovim plugin's bounds (debounce_min_ms, debounce_max_ms)
-RHYTHM_MIN_S = 0.01  # the old rule's lower bound
+RHYTHM_MIN_S = 0.01  # the rule before: its lower bound
 
 
 class ClientWait:
@@ -32,7 +28,6 @@ class ClientWait:
         self.rule = rule
         self.gap: float | None = None
         self.last_key: float | None = None
-        self.firsts: list[float] = []
         self.latency: float | None = None
         self.held: tuple[float, float] | None = None  # (seconds, when)
 
@@ -42,11 +37,9 @@ class ClientWait:
             self.gap = gap if self.gap is None else ALPHA * gap + (1 - ALPHA) * self.gap
         self.last_key = now
 
-    def answered(self, first_s: float, done_s: float | None, hold_ms: float | None, now: float) -> None:
-        """A request's first answer `first_s` after it was sent; its end (not cancelled), if any; its hold."""
-        self.firsts = [*self.firsts, first_s][-FIRSTS:]
-        if done_s is not None:
-            self.latency = done_s if self.latency is None else ALPHA * done_s + (1 - ALPHA) * self.latency
+    def answered(self, done_s: float, hold_ms: float | None, now: float) -> None:
+        """A request ended (not cancelled) `done_s` after it was sent, its `done` saying `hold_ms`."""
+        self.latency = done_s if self.latency is None else ALPHA * done_s + (1 - ALPHA) * self.latency
         if hold_ms is not None:
             self.held = (hold_ms / 1000, now)
 
@@ -60,6 +53,4 @@ class ClientWait:
             wanted = self.latency if self.gap is None else min(self.latency, GAP_FACTOR * self.gap)
             return min(MAX_S, max(RHYTHM_MIN_S, wanted))
         wanted = self.held[0] if self.held and now - self.held[1] <= HOLD_FRESH_S else 0.0
-        if self.firsts and self.gap is not None and median(self.firsts) > self.gap:
-            wanted = max(wanted, GAP_FACTOR * self.gap)
         return min(MAX_S, max(MIN_S, wanted))

@@ -10,19 +10,11 @@ extmark in its `vt_fim` namespace) is on the cursor's line, polled every
 
     python -m latency_bench llama-vim --llama-vim ~/src/llama.vim        # -> docs/results/llama_vim.json
     python -m latency_bench llama-vim --llama-vim PATH --rows warming --jumps 24 --out /tmp/lv.json
-
-The `llama_cpp` row serves the same llama.vim from llama.cpp's own
-llama-server (built by `python -m latency_bench llama-peer build`) on the
-default model's GGUF, started as llama.vim's README starts it
-(`--cache-reuse 256`): the same client on the peer (no request log there, so
-its jumps have no `requests` timeline).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import random
 import subprocess
 import sys
@@ -34,19 +26,14 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from completer.model_store import pull
 from completer.server.request_log import RequestRecord
-from latency_bench import llama_peer
 from latency_bench.harness import ROOT, TOKEN, running_server
-from latency_bench.keystroke_bench import free_port
 from latency_bench.neovim_jump import TYPED, files, jumps, ranks
 from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
 ROWS = {"warming": ("server.warm_windows=3",), "no_warming": ("server.warm_windows=0",),
-        "line_grid": ("server.warm_windows=3", "model.window_grid=lines"),  # the window grid by line number
-        "llama_cpp": ()}  # llama.cpp's llama-server on the same GGUF (above)
-LLAMA_CTX = 8192  # the peer's context: llama.vim's ring buffer and 256 lines each side fit it
+        "line_grid": ("server.warm_windows=3", "model.window_grid=lines")}  # the window grid by line number
 console = Console(width=140)
 
 
@@ -87,26 +74,15 @@ class LlamaVim(Editor):
         return (time.perf_counter() - sent) * 1000
 
 
-@contextlib.contextmanager
-def infill_endpoint(name: str, args, work: Path):
-    """The row's `/infill` URL, and the request log to read timelines from (None for the peer)."""
-    if name == "llama_cpp":
-        with llama_peer.llama_server(pull(), port=free_port(), threads=os.cpu_count() or 1, parallel=1,
-                                     ctx_per_slot=LLAMA_CTX) as url:
-            yield f"{url}/infill", None
-        return
-    log = work / "requests.jsonl"
-    with running_server(*ROWS[name], f"server.request_log={log}", model=args.model, timeout=600) as server:
-        yield f"http://127.0.0.1:{server.compat}/infill", log
-
-
 def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
     console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in ROWS[name]))
     rng, shown = random.Random(args.seed), []
     think = args.think_ms / 1000
-    with tempfile.TemporaryDirectory() as tmp, infill_endpoint(name, args, Path(tmp)) as (endpoint, log):
+    with tempfile.TemporaryDirectory() as tmp, \
+            running_server(*ROWS[name], f"server.request_log={tmp}/requests.jsonl", model=args.model,
+                           timeout=600) as server:
         work = Path(tmp)
-        ed = LlamaVim(work, args.llama_vim, endpoint)
+        ed = LlamaVim(work, args.llama_vim, f"http://127.0.0.1:{server.compat}/infill")
         try:
             paths = []
             for rel, text in chosen:  # three buffers open, as a user has them
@@ -127,8 +103,7 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
                     time.sleep(think)
         finally:
             ed.close()
-        if log is not None:
-            timelines(shown, log)
+        timelines(shown, work / "requests.jsonl")
     got = [r for r in shown if r["shown"]]
     return {"settings": list(ROWS[name]), "jumps": len(shown), "with_ghost_text": len(got),
             "keystroke_to_ghost_ms": ranks(got),
@@ -166,8 +141,6 @@ def main() -> int:
     args = p.parse_args()
     if not (args.llama_vim / "autoload" / "llama.vim").exists():
         p.error(f"--llama-vim {args.llama_vim}: not a checkout of llama.vim (no autoload/llama.vim)")
-    if "llama_cpp" in args.rows:
-        llama_peer.server_binary()  # fail now, not after the other rows
     chosen = files(3, args.seed)
     results = {name: run_row(name, args, chosen) for name in args.rows}
     t = Table(title="keystroke to ghost text after a jump (real Neovim, llama.vim's defaults, our /infill)")

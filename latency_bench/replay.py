@@ -131,8 +131,7 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
                     continue
                 s.outcome, t = f"done:{msg['reason']}", msg["timings"]
                 if msg["reason"] != "cancelled":
-                    first = s.ttft_s if s.ttft_s is not None else s.answer_s
-                    wait.answered(first - s.wait_s, s.answer_s - s.wait_s, msg.get("hold_ms"), now)
+                    wait.answered(s.answer_s - s.wait_s, msg.get("hold_ms"), now)
                 if msg["reason"] == "cancelled":  # superseded: nothing was shown
                     s.text = ""
                 s.generated, s.prompt_tokens, s.cached_tokens = (

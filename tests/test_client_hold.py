@@ -1,6 +1,7 @@
-"""`done.hold_ms` (server/hold.py): 0 while requests do not wait for the
-engine, about their wait while they do; absent with `server.client_hold`
-off. The rule alone, then the real server idle and loaded."""
+"""`done.hold_ms` (server/hold.py): 0 for a client alone or while requests
+do not wait for the engine, about their wait while clients share a loaded
+one; absent with `server.client_hold` off. The rule alone, then the real
+server idle and loaded."""
 
 from __future__ import annotations
 
@@ -17,19 +18,23 @@ def waited(ms: float) -> Timings:
     return Timings(queue_ms=ms + 0.5, prepare_ms=0.5, ttft_ms=ms + 10)
 
 
-def test_the_hold_is_the_median_wait_once_requests_wait_and_zero_otherwise():
+def test_the_hold_is_the_median_wait_of_a_shared_loaded_engine_and_zero_otherwise():
     hold = ClientHold()
-    assert hold.hold_ms(0.0) == 0.0  # nothing seen: ask at once
+    assert hold.hold_ms(0.0, "a") == 0.0  # nothing seen: ask at once
+    for i, ms in enumerate([80, 90, 70, 85]):
+        hold.observe(i * 0.1, "a", waited(ms))
+    assert hold.hold_ms(0.4, "a") == 0.0  # alone: its requests wait behind its own superseded work
     for i, ms in enumerate([2, 3, 1, 4, 2]):
-        hold.observe(i * 0.1, waited(ms))
-    assert hold.hold_ms(0.5) == 0.0
-    for i, ms in enumerate([80, 90, 70, 85, 95, 75, 88]):
-        hold.observe(1.0 + i * 0.1, waited(ms))
-    assert HOLD_FROM_MS <= hold.hold_ms(1.7) == 72.5  # the median of the 12 within the window (70, 75)
-    assert hold.hold_ms(1.0 + HOLD_WINDOW_S + 0.65) == 0.0  # all of them older than the window
+        hold.observe(0.5 + i * 0.1, "b", waited(ms))
+    assert hold.hold_ms(1.0, "a") == 0.0 == hold.hold_ms(1.0, "b")  # shared, not loaded: median 4 ms
+    for i, ms in enumerate([60, 75, 95, 88]):
+        hold.observe(1.0 + i * 0.1, "b", waited(ms))
+    # 13 waits within the window: 1 2 2 3 4 60 70 75 80 85 88 90 95
+    assert HOLD_FROM_MS <= hold.hold_ms(1.4, "a") == 70.0 == hold.hold_ms(1.4, "b")
+    assert hold.hold_ms(1.3 + HOLD_WINDOW_S + 0.01, "a") == 0.0  # all of them older than the window
     for i in range(5):
-        hold.observe(10 + i * 0.01, waited(5000))
-    assert hold.hold_ms(10.1) == HOLD_MOST_MS
+        hold.observe(10 + i * 0.01, "ab"[i % 2], waited(5000))
+    assert hold.hold_ms(10.1, "a") == HOLD_MOST_MS
 
 
 async def test_an_idle_server_says_ask_at_once_and_one_told_not_to_says_nothing():

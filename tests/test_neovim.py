@@ -9,7 +9,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import math
 import os
 import re
 import statistics
@@ -979,26 +978,19 @@ def test_checkhealth_without_a_server(editor, tmp_path):
     assert "does not answer" in out and "ERROR" in out, out
 
 
-def test_the_debounce_asks_at_once_unless_the_server_is_busy_or_slower_than_the_typing(editor):
+def test_the_debounce_asks_at_once_unless_the_server_says_to_hold_back(editor):
     delays = editor.lua("""
         local Debounce = require('completer.debounce')
         local d = Debounce.new(0, 300)
         local out = { d:delay(0) }               -- nothing known: ask at once
-        local t = 0
-        for _ = 1, 20 do t = t + 120; d:keystroke(t) end
-        for _ = 1, 8 do d:first_answer(30) end
-        out[2] = d:delay(t)                      -- a fast server, a steady typist: at once, whatever the rhythm
-        d:hold(60, t); out[3] = d:delay(t + 100) -- the server says it is busy: its hold
-        out[4] = d:delay(t + 3001)               -- an old hold is not followed
-        d:hold(0, t)                             -- (the next done: not busy any more)
-        d:first_answer(1000); out[5] = d:delay(t) -- one slow answer among fast ones (a jump's prefill)
-        for _ = 1, 4 do d:first_answer(400) end
-        out[6] = d:delay(t)                      -- answers slower than the keystrokes: a pause, 1.5 gaps
-        d:hold(900, t); out[7] = d:delay(t)      -- never past the maximum
+        d:hold(0, 1000); out[2] = d:delay(1100)  -- the server says ask at once
+        d:hold(60, 2000); out[3] = d:delay(2100) -- the server says it is shared and loaded: its hold
+        out[4] = d:delay(2000 + 3001)            -- an old hold is not followed
+        d:hold(900, 6000); out[5] = d:delay(6000) -- never past the maximum
         local f = Debounce.new(10, 100)
-        out[8] = f:delay(0)                      -- never under the minimum
+        out[6] = f:delay(0)                      -- never under the minimum
         return out""")
-    assert delays == [0, 0, 60, 0, 0, 180, 300, 10]
+    assert delays == [0, 0, 60, 0, 300, 10]
 
 
 def test_the_debounce_follows_what_the_real_server_says(server, editor, tmp_path):
@@ -1006,11 +998,9 @@ def test_the_debounce_follows_what_the_real_server_says(server, editor, tmp_path
     start_typing(editor, tmp_path / "ad.py")
     type_until_completion(editor, "return os.path")
     st = status(editor)["debounce"]
-    assert st["hold_ms"] == 0, st  # one editor: the server is not loaded, and says so
-    first, gap = st["first_answer_ms"], st.get("typing_gap_ms")
-    assert first is not None and first > 0, st
-    wanted = 1.5 * gap if gap is not None and first > gap else 0
-    assert st["delay_ms"] == math.floor(min(200, wanted) + 0.5), st
+    assert st["hold_ms"] == 0 and st["delay_ms"] == 0, st  # one editor alone: asked at once, and told so
+    requests = editor.lua("return require('completer').latency()")
+    assert requests and all(r["debounce_ms"] < 50 for r in requests), requests  # (a timer of 0 ms, then the send)
 
 
 # -- Latency ------------------------------------------------------------------------------

@@ -292,9 +292,9 @@ class CompletionService:
     def in_flight(self) -> int:
         return sum(len(c.inflight) for c in self.clients)
 
-    def hold_ms(self) -> float | None:
-        """What a `done` sent now says a client should wait after a keystroke (None: the server does not say)."""
-        return None if self.hold is None else self.hold.hold_ms(time.perf_counter())
+    def hold_ms(self, client: str) -> float | None:
+        """What a `done` sent now tells `client` to wait after a keystroke (None: the server does not say)."""
+        return None if self.hold is None else self.hold.hold_ms(time.perf_counter(), client)
 
     def stop(self) -> None:
         """Start nothing new, and cancel every request in flight (each ends `cancelled`)."""
@@ -308,7 +308,7 @@ class CompletionService:
         reason, priming = reason or finished.reason, flight.request.params.priming
         self.metrics.observe_done(finished.timings, reason, flight.received, priming=priming, route=flight.route)
         if self.hold is not None and not priming and finished.timings.ttft_ms > 0:  # (admitted: its wait is known)
-            self.hold.observe(time.perf_counter(), finished.timings)
+            self.hold.observe(time.perf_counter(), flight.request.client, finished.timings)
         if self.request_log is not None:
             self.request_log.write(flight.received, flight.id, flight.route, flight.request.client, reason, priming,
                                    finished.timings)

@@ -199,7 +199,8 @@ class Session:
         self.service.observe(flight, done)
         # `candidates` only for a client that asked for them (an older one never sees the field).
         self.send(Done(request_id, done.reason, done.text, done.timings,
-                       list(done.candidates) if msg.n > 1 else None, self.service.hold_ms()))
+                       list(done.candidates) if msg.n > 1 else None,
+                       self.service.hold_ms(flight.request.client)))
 
     def remember_offered(self, request_id: str, texts: tuple[str, ...]) -> None:
         self.offered[request_id] = tuple(map(len, texts))

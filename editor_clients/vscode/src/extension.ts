@@ -177,8 +177,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
       `completer (${settings.serverUrl}): ${connection.state}${connection.detail ? ` (${connection.detail})` : ''}`
         + `${client.server ? `, ${client.server.server}, model ${client.server.model.target}` : ''}`,
       ...stats.lines(),
-      `debounce: ${provider.debounce.delayMs(Date.now())} ms (typing gap ${fmt(provider.debounce.typingGapMs)}, `
-        + `first answer ${fmt(provider.debounce.firstAnswerMs)}, server hold ${fmt(provider.debounce.holdMs)}; `
+      `debounce: ${provider.debounce.delayMs(Date.now())} ms (the server's hold ${fmt(provider.debounce.holdMs)}; `
         + `range ${settings.debounceMinMs}-${settings.debounceMaxMs} ms)`,
     ];
     output.appendLine(`--- stats ${new Date().toISOString()}`);

@@ -85,8 +85,6 @@ export interface CompletionResult {
   error?: { code: string; message: string };
   /** Client-side: from sending `complete` to its terminal message. */
   latencyMs: number;
-  /** Client-side: from sending `complete` to its first delta (or its terminal message, when none came). */
-  firstAnswerMs: number;
   /** `done.hold_ms`: how long the server asks the client to wait after a keystroke (absent: it does not say). */
   holdMs?: number;
   /** Whether this client asked for it to end (cancel, or a newer request superseded it). */

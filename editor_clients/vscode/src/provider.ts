@@ -188,9 +188,7 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       return undefined; // quiet: the status bar says why
     }
     if (context.triggerKind === vscode.InlineCompletionTriggerKind.Automatic) {
-      const now = Date.now();
-      this.debounce.keystroke(now);
-      if (!(await sleep(this.debounce.delayMs(now), token))) {
+      if (!(await sleep(this.debounce.delayMs(Date.now()), token))) {
         return undefined;
       }
     }
@@ -245,9 +243,6 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       sub.dispose();
     });
     const ended = result.reason === 'stop' || result.reason === 'length' || result.reason === 'eos' || result.reason === 'deadline';
-    if (ended) {
-      this.debounce.firstAnswer(result.firstAnswerMs);
-    }
     if (result.holdMs !== undefined) {
       this.debounce.hold(result.holdMs, Date.now());
     }

@@ -59,7 +59,6 @@ interface InFlight {
   uri: string;
   deltas: string[];
   sentAt: number;
-  firstAt?: number;
   cancelRequested: boolean;
   purpose: RequestPurpose;
   /** Ends the request as `timeout` when its deadline and margin pass without an answer. */
@@ -153,7 +152,6 @@ export class InFlightRequests {
     }
     if (msg.type === 'delta' && typeof msg.text === 'string') {
       entry.deltas.push(msg.text);
-      entry.firstAt ??= performance.now();
       entry.onDelta?.(msg.text);
     } else if (msg.type === 'done') {
       this.finish(entry, {
@@ -210,13 +208,11 @@ export class InFlightRequests {
     if (current?.delete(entry.id) && current.size === 0) {
       this.currentByUri.delete(entry.uri);
     }
-    const now = performance.now();
     const result: CompletionResult = {
       id: entry.id,
       deltas: entry.deltas,
       candidates: [],
-      latencyMs: now - entry.sentAt,
-      firstAnswerMs: (entry.firstAt ?? now) - entry.sentAt,
+      latencyMs: performance.now() - entry.sentAt,
       cancelRequested: entry.cancelRequested,
       purpose: entry.purpose,
       ...end,

@@ -397,7 +397,6 @@ function M.on_edit(entering)
   S.last_edit_key = skey
   local t_key = S.last_key_ns or now()
   S.last_key_ns = nil
-  S.debounce:keystroke(t_key / 1e6)
   local req = S.req
   local was = req and req.consumed
   if req and M.follow(req, snap) then

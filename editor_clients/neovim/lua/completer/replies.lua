@@ -16,9 +16,6 @@ local function record_latency(req, msg)
     S.counts.prompt_tokens = S.counts.prompt_tokens + t.prompt_tokens
     S.counts.cached_tokens = S.counts.cached_tokens + t.cached_tokens
   end
-  if req.t_send and req.kind == 'complete' and not req.t_first_recv and msg.reason ~= 'cancelled' then
-    S.debounce:first_answer(core.ms(req.t_send, core.now())) -- done with no delta: that was its first answer
-  end
   if type(msg.hold_ms) == 'number' then S.debounce:hold(msg.hold_ms, core.now() / 1e6) end -- the server's load
   -- Per-request timings are those of requests sent for a keystroke; one
   -- served later (a speculative answer) was sent before its keystroke.
@@ -49,10 +46,7 @@ function M.on_message(msg, recv_ns)
   if msg.type == 'delta' and type(msg.text) == 'string' then
     req.text = req.text .. msg.text
     req.deltas[#req.deltas + 1] = msg.text
-    if not req.t_first_recv then
-      req.t_first_recv = recv_ns
-      if req.kind == 'complete' then S.debounce:first_answer(core.ms(req.t_send, recv_ns)) end
-    end
+    req.t_first_recv = req.t_first_recv or recv_ns
     if S.req == req then core.refresh() end
   elseif msg.type == 'done' or msg.type == 'error' then
     ended(req, msg)
