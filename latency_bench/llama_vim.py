@@ -26,9 +26,8 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from completer.server.request_log import RequestRecord
 from latency_bench.harness import ROOT, TOKEN, running_server
-from latency_bench.neovim_jump import TYPED, files, jumps, ranks
+from latency_bench.neovim_jump import TYPED, files, jumps, ranks, timelines
 from latency_bench.nvim_editor import Editor, keys, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
 
@@ -98,7 +97,8 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
                     row = min(row, len(ed.nvim.current.buffer) - 1)
                     ms = ed.retype_after_jump(row, TYPED, lambda: time.sleep(rng.uniform(0.1, 0.2)))
                     shown.append({"file": path.name, "row": row + 1, "jump": kind, "shown": ms is not None,
-                                  "key_to_shown_ms": ms, "jumped": ed.jumped, "key_sent": ed.key_sent})
+                                  "key_to_shown_ms": ms, "jumped": ed.jumped, "key_sent": ed.key_sent,
+                                  "until": ed.key_sent + (ms or 5000) / 1000})
                     ed.nvim.input("<Esc>")  # the edit stays
                     time.sleep(think)
         finally:
@@ -108,25 +108,6 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
     return {"settings": list(ROWS[name]), "jumps": len(shown), "with_ghost_text": len(got),
             "keystroke_to_ghost_ms": ranks(got),
             "by_jump": {k: ranks([r for r in got if r["jump"] == k]) for k in ("near", "far")}, "records": shown}
-
-
-def timelines(shown: list[dict], log: Path) -> None:
-    """Each jump's `requests`: those the server's request log has arriving
-    from the jump until its ghost text (or 5 s after its last key), ms from
-    the last key: where the time between key and ghost text went (llama.vim
-    sends one request at a time, retrying every 100 ms while one is out)."""
-    records = [msgspec.json.decode(line, type=RequestRecord) for line in log.read_bytes().splitlines()]
-    for r in shown:
-        key, jumped = r.pop("key_sent"), r.pop("jumped")
-        until = key + (r["key_to_shown_ms"] or 5000) / 1000
-        r["requests"] = [{"at_ms": round((q.arrived - key) * 1000, 1),
-                          "end_ms": round((q.arrived - key) * 1000 + q.timings.total_ms, 1), "reason": q.reason,
-                          "priming": q.priming, "prompt_tokens": q.timings.prompt_tokens,
-                          "cached_tokens": q.timings.cached_tokens, "moved_tokens": q.timings.moved_tokens,
-                          "wait_ms": round(q.timings.wait_ms + q.timings.queue_ms, 1),
-                          "prefill_ms": round(q.timings.prefill_ms, 1), "decode_ms": round(q.timings.decode_ms, 1),
-                          "generated_tokens": q.timings.generated_tokens}
-                         for q in records if jumped <= q.arrived <= until]
 
 
 def main() -> int:

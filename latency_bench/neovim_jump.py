@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from completer.evaluate import heldout_files
+from completer.server.request_log import RequestRecord
 from latency_bench.harness import ROOT, TOKEN, running_server
 from latency_bench.nvim_editor import Editor, nvim_build, wait_until
 from latency_bench.run_results import machine, now, write_result
@@ -73,15 +74,35 @@ def drive(ed: Editor, paths: list[Path], texts: list[str], per_file: int, think_
             row = min(row, len(ed.nvim.current.buffer) - 1)  # (as edited so far)
             records = ed.retype_after_jump(row, TYPED, lambda: time.sleep(rng.uniform(0.1, 0.2)))  # a person's pace
             last = [r for r in records if r.get("key_to_shown_ms") is not None]
-            entry = {"file": path.name, "row": row + 1, "jump": kind, "shown": bool(last)}
+            entry = {"file": path.name, "row": row + 1, "jump": kind, "shown": bool(last), "jumped": ed.jumped,
+                     "key_sent": ed.key_sent, "until": ed.key_sent + 5}
             if last:
                 entry |= last[-1]
+                entry["until"] = ed.key_sent + entry["key_to_shown_ms"] / 1000
                 result = ed.lua("return require('completer').last_result()") or {}
                 entry["timings"] = result.get("timings")  # the server's timeline (done.timings)
             shown.append(entry)
             ed.nvim.input("<Esc>")  # the edit stays
             time.sleep(think_s)
     return shown
+
+
+def timelines(shown: list[dict], log: Path) -> None:
+    """Each jump's `requests`: those the server's request log has arriving
+    from the jump (`jumped`) until its ghost text (`until`; 5 s after its last
+    key when none came), in ms from its last key (`key_sent`): where the time
+    between key and ghost text went (primes, warming, the keys before)."""
+    records = [msgspec.json.decode(line, type=RequestRecord) for line in log.read_bytes().splitlines()]
+    for r in shown:
+        key, jumped, until = r.pop("key_sent"), r.pop("jumped"), r.pop("until")
+        r["requests"] = [{"at_ms": round((q.arrived - key) * 1000, 1),
+                          "end_ms": round((q.arrived - key) * 1000 + q.timings.total_ms, 1), "reason": q.reason,
+                          "priming": q.priming, "prompt_tokens": q.timings.prompt_tokens,
+                          "cached_tokens": q.timings.cached_tokens, "moved_tokens": q.timings.moved_tokens,
+                          "wait_ms": round(q.timings.wait_ms + q.timings.queue_ms, 1),
+                          "prefill_ms": round(q.timings.prefill_ms, 1), "decode_ms": round(q.timings.decode_ms, 1),
+                          "generated_tokens": q.timings.generated_tokens}
+                         for q in records if jumped <= q.arrived <= until]
 
 
 def ranks(rows: list[dict], field: str = "key_to_shown_ms") -> dict:
@@ -92,8 +113,9 @@ def ranks(rows: list[dict], field: str = "key_to_shown_ms") -> dict:
 
 def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
     console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in ROWS[name]))
-    with running_server(*ROWS[name], model=args.model, timeout=600) as server, \
-            tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            running_server(*ROWS[name], f"server.request_log={tmp}/requests.jsonl", model=args.model,
+                           timeout=600) as server:
         work = Path(tmp)
         ed = Editor(work, nvim_build("modern"), env={"COMPLETER_TOKEN": "", "XDG_CONFIG_HOME": str(work / "cfg")})
         try:
@@ -109,6 +131,7 @@ def run_row(name: str, args, chosen: list[tuple[str, str]]) -> dict:
                           args.seed)
         finally:
             ed.close()
+        timelines(shown, work / "requests.jsonl")
     got = [r for r in shown if r["shown"]]
     return {"settings": list(ROWS[name]), "jumps": len(shown), "with_ghost_text": len(got),
             "keystroke_to_ghost_ms": ranks(got), "server_ttft_ms": ranks(got, "ttft_ms"),

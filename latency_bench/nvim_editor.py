@@ -170,15 +170,17 @@ class Editor:
     def retype_after_jump(self, row: int, count: int, pause=lambda: None) -> list[dict]:
         """Jump to `row` (0-based), clear its line (`cc` keeps nothing but the
         indentation, typed again) and type its first `count` characters, with
-        `pause()` after each; once the plugin settles, its latency records."""
+        `pause()` after each; once the plugin settles, its latency records.
+        `jumped` and `key_sent` keep when it jumped and sent the last key (Unix time)."""
         line = self.nvim.current.buffer[row]
         indent = len(line) - len(line.lstrip())
+        self.jumped = time.time()
         self.nvim.input("<Esc>")
         self.nvim.command(f"call cursor({row + 1}, 1)")
         self.nvim.input("cc" + " " * indent)
         self.lua("require('completer').clear_latency()")
         for ch in line.strip()[:count]:
-            tick0 = self.tick()
+            tick0, self.key_sent = self.tick(), time.time()
             self.nvim.input(keys(ch))
             wait_until(lambda: self.tick() != tick0, 5, 0.005, "the keystroke")
             pause()

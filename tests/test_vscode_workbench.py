@@ -190,6 +190,24 @@ class Relay:
                 if d == "down" and f.get("type") == "done" and f.get("id") in sent]
         return round(ends[-1] * 1000, 1) if ends else None
 
+    def timeline_ms(self, since: float) -> dict | None:
+        """Of the last completion request sent at or after `since` and answered: ms from `since` to its
+        frame, and from its frame to its first delta (None: none came) and to its done."""
+        sent = {f["id"]: t for t, d, f in self.frames if t >= since and d == "up" and f.get("type") == "complete"
+                and f.get("max_tokens") != 0}
+        first: dict[str, float] = {}
+        out = None
+        for t, d, f in self.frames:
+            if d == "down" and f.get("id") in sent:
+                if f.get("type") == "delta":
+                    first.setdefault(f["id"], t)
+                elif f.get("type") == "done":
+                    at = sent[f["id"]]
+                    out = {"frame_ms": round((at - since) * 1000, 1),
+                           "first_delta_ms": round((first[f["id"]] - at) * 1000, 1) if f["id"] in first else None,
+                           "done_ms": round((t - at) * 1000, 1)}
+        return out
+
     def completions(self) -> list[tuple[dict, dict]]:
         """(request, done) of every request the server finished, in order."""
         sent = {f["id"]: f for _, d, f in self.frames if d == "up" and f.get("type") == "complete"}
@@ -473,7 +491,7 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
                 continue
             misses = 0
             samples.append({"ms": seen["ms"], "request": bool(relay.requests(since)),
-                            "server_ms": relay.round_trip_ms(since),
+                            "server_ms": relay.round_trip_ms(since), "timeline": relay.timeline_ms(since),
                             "typed_through": before["ghost"].startswith(ch)})
             if not served(relay, text, seen["ghost"]):
                 await asyncio.sleep(0.5)  # a ghost's later lines may be drawn a frame after its first
@@ -588,6 +606,13 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
               "typed_through": sum(s["typed_through"] for s in samples)}
     round_trips = [s["server_ms"] for s in samples if s["request"] and s["server_ms"] is not None]
     report["server_round_trip_p50_ms"] = round(statistics.median(round_trips), 1) if round_trips else None
+    # Where a requested keystroke's time went (#48): key to the request's frame (VS Code's own wait before it
+    # asks the provider, then ours), frame to first delta and to done (the server), and the rest (the
+    # provider's answer drawn).
+    timed = [s["timeline"] for s in samples if s["request"] and s["timeline"]]
+    for part in ("frame_ms", "first_delta_ms", "done_ms"):
+        values = [t[part] for t in timed if t[part] is not None]
+        report[f"{part[:-3]}_p50_ms"] = round(statistics.median(values), 1) if values else None
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "vscode-workbench-latency.json").write_text(json.dumps({**report, "samples": samples}, indent=1))
     with capsys.disabled():
@@ -595,5 +620,6 @@ async def drive(page: DevTools, relay: Relay, relay_port: int, capsys) -> str:
             f"\nkeystroke-to-ghost in code-server: p50 {report['p50_ms']} ms, p99 {report['p99_ms']} ms "
             f"(n={report['with_ghost']} of {report['keystrokes']} keystrokes); after a request: "
             f"p50 {report['requested_p50_ms']} ms, p99 {report['requested_p99_ms']} ms (n={report['requested']}; "
-            f"the request's own round trip, from its frame to its done, p50 {report['server_round_trip_p50_ms']} ms)\n")
+            f"the request's own round trip, from its frame to its done, p50 {report['server_round_trip_p50_ms']} ms; "
+            f"key to frame p50 {report['frame_p50_ms']} ms, frame to first delta p50 {report['first_delta_p50_ms']} ms)\n")
     return shot
