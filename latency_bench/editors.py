@@ -1,8 +1,9 @@
 """The simulated editors of the soak (latency_bench/soak.py): each types
 real Python into its own documents over its own connection, one `complete`
-per keystroke at human intervals, with bursts (supersede storms), cancels,
-pauses, disconnects and long files; a `Book` records every request's fate
-as the editors saw it. Also the small helpers the soak and the fairness run
+per keystroke at human intervals (after the wait a client rule gives, none by
+default: `client_wait.py`), with bursts (supersede storms), cancels, pauses,
+disconnects and long files; a `Book` records every request's fate as the
+editors saw it, and every key's: answered before the next key or not. Also the small helpers the soak and the fairness run
 share."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import Counter, deque
 
 from websockets.exceptions import ConnectionClosed
 
+from latency_bench.client_wait import ClientWait
 from latency_bench.harness import ServerProcess, complete_msg, connect
 
 BURST_P, PAUSE_P, CANCEL_P = 0.04, 0.02, 0.01  # per keystroke
@@ -58,12 +60,16 @@ class Book:
         # The request that waited longest for its answer: (seconds the client waited, the server's own
         # `total_ms` from reading its frame to its `done`, or None, outcome).
         self.slowest: tuple[float, float | None, str] = (0.0, None, "")
+        self.keys = self.served_keys = 0  # keystrokes typed; those answered (first text, or an end) before the next
 
     def frame(self, conn: "Conn", msg: dict) -> None:
         kind, rid = msg.get("type"), msg.get("id")
         if kind not in ("delta", "done", "error"):
             return
         if rid in conn.pending:
+            next_key = conn.next_key.pop(rid, None)
+            if next_key is not None and time.perf_counter() <= next_key:  # its first answer
+                self.served_keys += 1
             if kind == "delta":
                 return
             sent = conn.pending.pop(rid)
@@ -73,6 +79,8 @@ class Book:
             self.answered.append((sent - self.start, waited := time.perf_counter() - sent, outcome))
             if waited > self.slowest[0]:
                 self.slowest = (waited, msg["timings"].get("total_ms") if kind == "done" else None, outcome)
+            if kind == "done" and msg["reason"] != "cancelled":
+                conn.wait.answered(waited, msg.get("hold_ms"), time.perf_counter())
             if kind == "done" and msg["timings"]["generated_tokens"] > 0:  # its whole prompt was computed
                 t = msg["timings"]
                 self.prompt_tokens += t["prompt_tokens"]
@@ -95,21 +103,23 @@ class Conn:
     """One editor connection: the requests it is owed an answer for, and a
     reader that books every frame against them."""
 
-    def __init__(self, ws, book: Book):
+    def __init__(self, ws, book: Book, wait: ClientWait | None = None):
         self.ws, self.book = ws, book
+        self.wait = wait or ClientWait("none")  # its editor's rule, told each answer
         self.pending: dict[str, float] = {}  # id -> sent at
+        self.next_key: dict[str, float] = {}  # id -> when its editor's next key comes (until its first answer)
         self.answered: set[str] = set()
         self.reader = asyncio.create_task(self.read())
 
     @classmethod
-    async def open(cls, server: ServerProcess, book: Book) -> "Conn":
+    async def open(cls, server: ServerProcess, book: Book, wait: ClientWait | None = None) -> "Conn":
         while True:
             if server.proc.poll() is not None:
                 raise ServerExited(server.proc.returncode)
             try:
                 # No keepalive of its own: like the editor clients, it takes any frame as a sign of
                 # life (websockets' rule, a pong within 20 s, closes a reader busy with a backlog).
-                return cls(await connect(server, ping_interval=None), book)
+                return cls(await connect(server, ping_interval=None), book, wait)
             except (OSError, TimeoutError, ConnectionClosed) as e:  # booked; the editor tries again
                 book.outcomes[f"connect_failed:{type(e).__name__}"] += 1
                 await asyncio.sleep(1.0)
@@ -180,28 +190,38 @@ def keystroke_gaps(rng: random.Random, events: Counter):
 
 
 async def editor(index: int, server: ServerProcess, corpus: list[str], book: Book, events: Counter,
-                 stop_at: float, seed: int) -> Conn | None:
+                 stop_at: float, seed: int, client_wait: str = "none") -> Conn | None:
     """Type until `stop_at`; returns the connection it holds then, still open
     (None when the server died)."""
     try:
-        return await type_until(index, server, corpus, book, events, stop_at, seed)
+        return await type_until(index, server, corpus, book, events, stop_at, seed, ClientWait(client_wait))
     except ServerExited:
         return None
 
 
 async def type_until(index: int, server: ServerProcess, corpus: list[str], book: Book, events: Counter,
-                     stop_at: float, seed: int) -> Conn:
+                     stop_at: float, seed: int, wait: ClientWait) -> Conn:
     rng = random.Random(seed * 1000 + index)
     ids, gaps = itertools.count(), keystroke_gaps(rng, events)
-    conn = await Conn.open(server, book)
+    conn = await Conn.open(server, book, wait)
     for uri, text, cursor, chunk in documents(rng, corpus, events, long_first=index == 0):
         for typed in range(1, chunk + 1):
             if time.perf_counter() >= stop_at:
                 return conn
             if conn.reader.done():  # the server closed it
                 conn.closed_by_server()
-                conn = await Conn.open(server, book)
+                conn = await Conn.open(server, book, wait)
+            gap, key_at = next(gaps), time.perf_counter()
+            book.keys += 1
+            wait.keystroke(key_at)
+            delay = wait.delay(key_at)
+            if delay >= gap:  # the next key comes first: this one asks nothing
+                events["keys_not_sent"] += 1
+                await asyncio.sleep(gap)
+                continue
+            await asyncio.sleep(delay)
             rid = f"e{index}-{next(ids)}"
+            conn.next_key[rid] = key_at + gap
             try:
                 await conn.send_complete(rid, text[:cursor + typed], text[cursor + chunk:], uri, rng)
                 events["keystrokes"] += 1
@@ -215,8 +235,8 @@ async def type_until(index: int, server: ServerProcess, corpus: list[str], book:
                 events["disconnects_abrupt" if abrupt else "disconnects_clean"] += 1
                 await conn.leave(abrupt)
                 await asyncio.sleep(rng.uniform(0.1, 2.0))
-                conn = await Conn.open(server, book)
-            await asyncio.sleep(next(gaps))
+                conn = await Conn.open(server, book, wait)
+            await asyncio.sleep(max(0.0, key_at + gap - time.perf_counter()))
     raise AssertionError("documents() never ends")
 
 

@@ -131,6 +131,10 @@ def soak_section(r: SoakResult) -> list[str]:
              f"{r.prompt_blocks_computed / kv.pool_blocks['target']:.1f}x the target pool (past 1x the prefix "
              f"cache must have evicted); their cache hit rate "
              f"{'-' if r.cache_hit_rate is None else f'{r.cache_hit_rate:.0%}'}.",
+             *([f"- The editors waited after each key as the `{r.client_wait}` rule says "
+                f"(latency_bench/client_wait.py): {r.keys} keys, {r.requests_per_key:.2f} requests per key, "
+                f"{r.served_before_next_key:.1%} of the keys answered before the next."]
+               if r.client_wait != "none" and r.keys else []),
              f"- After typing stopped, the last answer came {r.drain_s:.1f} s later; the editors then left.", "",
              "Every `complete` on a connection still open gets exactly one `done` or `error` "
              "(`unanswered`, `duplicate`, `after_terminal` and `unknown_id` must be 0; `abandoned` counts "

@@ -159,6 +159,12 @@ class SoakResult(msgspec.Struct):
     # Connections the server decided to close, by why, as its own metrics count them: "slow" (1008, a reader
     # server.send_queue_frames behind), "silent" (1011, nothing heard for 3 ping periods).
     server_disconnects: dict[str, int] = {}
+    # Issue #48's (absent from older results): the editors' wait after a key (client_wait.py), the keys they
+    # typed, requests sent per key, and the share of keys answered (first text, or an end) before the next.
+    client_wait: str = "none"
+    keys: int = 0
+    requests_per_key: float | None = None
+    served_before_next_key: float | None = None
 
 
 class Phase(msgspec.Struct):

@@ -231,6 +231,7 @@ class Plan(msgspec.Struct, frozen=True):
     loads: int = 0  # CPU-heavy processes beside the server
     memory_probe: bool = False  # the server dumps malloc's and gc's figures at each idle (memory_probe/)
     tracemalloc: bool = False  # and traces Python's allocations (slower)
+    client_wait: str = "none"  # the editors' wait after a key (client_wait.py): none, the stress, by default
 
 
 def phases(duration: float, disagg: bool) -> list[tuple[str, float, str]]:
@@ -268,7 +269,8 @@ async def run_phase(server: ServerProcess, name: str, seconds: float, fault_kind
     stop_at = began + seconds
     progress(f"{name}: {editors} editors, {plan.http_editors} HTTP clients typing for {seconds:g} s")
     fault = asyncio.ensure_future(fault_in(server, fault_kind, seconds, start)) if fault_kind else None
-    typing = [editor(i, server, corpus, books["ws"], events, stop_at, seed * 10 + k) for i in range(editors)]
+    typing = [editor(i, server, corpus, books["ws"], events, stop_at, seed * 10 + k, plan.client_wait)
+              for i in range(editors)]
     typing += [http_editor(i, server.compat, corpus, books["http"], http_events, stop_at, seed * 10 + k,
                            DRAIN_TIMEOUT_S) for i in range(plan.http_editors)]
     if plan.disagg:
@@ -387,6 +389,9 @@ async def soak_load(server: ServerProcess, editors: int, duration: float, seed: 
         rss.append(round(psutil.Process(server.proc.pid).memory_info().rss / 2**20, 1))
     return dict(
         editors=editors, duration_s=duration, sent=book.sent, outcomes=dict(book.outcomes),
+        client_wait=plan.client_wait, keys=book.keys,
+        requests_per_key=round(1 - events["keys_not_sent"] / book.keys, 4) if book.keys else None,
+        served_before_next_key=round(book.served_keys / book.keys, 4) if book.keys else None,
         events={**events, **{f"http_{k}": v for k, v in http_events.items()}},
         server_closes=dict(book.server_closes), drain_s=max((p.drain_s for p in spans), default=0.0),
         prompt_blocks_computed=book.computed_blocks,
@@ -443,6 +448,9 @@ def main() -> int:
                     "allocations (slower): the lines that grew")
     ap.add_argument("--loads", type=int, default=0, help="soak: CPU-heavy processes beside the server "
                     "(loading the cached default model again and again; busy loops without it)")
+    ap.add_argument("--client-wait", choices=("none", "server", "rhythm"), default="none",
+                    help="soak: the editors' wait after a key (latency_bench/client_wait.py): none (every key, the "
+                    "stress), the clients' rule now (server), or the rule before (rhythm)")
     ap.add_argument("--fairness", action="store_true", help="the fairness run instead of the soak")
     ap.add_argument("--requests", type=int, default=20, help="fairness: keys per editor per round")
     ap.add_argument("--rounds", type=int, default=2, help="fairness: alone/together alternations")
@@ -457,7 +465,8 @@ def main() -> int:
         section, broken = fairness_section(result), []
     else:
         result = run_soak(args.editors, args.duration, args.kv_mb, args.seed, command,
-                          Plan(args.http_editors, args.disagg, args.loads, args.memory_probe, args.tracemalloc))
+                          Plan(args.http_editors, args.disagg, args.loads, args.memory_probe, args.tracemalloc,
+                               args.client_wait))
         section, broken = soak_section(result), violations(result)
     Console().print(Markdown("\n".join(section)))
     if args.json:

@@ -5,11 +5,13 @@ port beside them): the invariants of docs/protocol.md and of a server that
 gives back what it took. Speed is not asserted here; latency_bench/soak.py
 and RELIABILITY.md report it."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from latency_bench import http_editors, soak
+from latency_bench.client_wait import ClientWait
 
 OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
 
@@ -86,13 +88,19 @@ def test_an_http_answer_is_booked_by_its_status_and_body():
 def test_the_books_catch_a_second_answer_a_delta_after_it_and_an_unknown_id():
     # The soak's own bookkeeping, without a server: what the invariants above rely on.
     book = soak.Book(block_size=16)
-    conn = SimpleNamespace(pending={"1": book.start}, answered=set())
-    done = {"type": "done", "id": "1", "reason": "stop", "text": "",
+    wait = ClientWait("server")
+    conn = SimpleNamespace(pending={"1": book.start, "3": book.start}, answered=set(), wait=wait,
+                           next_key={"1": time.perf_counter() + 60, "3": time.perf_counter() - 1})
+    done = {"type": "done", "id": "1", "reason": "stop", "text": "", "hold_ms": 40.0,
             "timings": {"prompt_tokens": 40, "cached_tokens": 8, "generated_tokens": 1}}
-    for msg in (done, done, {"type": "delta", "id": "1", "text": "x"}, {**done, "id": "2"}):
+    for msg in (done, done, {"type": "delta", "id": "1", "text": "x"}, {**done, "id": "2"},
+                {"type": "delta", "id": "3", "text": "y"}, {**done, "id": "3"}):
         book.frame(conn, msg)
-    assert book.outcomes == {"done:stop": 1, "duplicate": 1, "after_terminal": 1, "unknown_id": 1}
-    assert conn.pending == {} and book.computed_blocks == 2
+    assert book.outcomes == {"done:stop": 2, "duplicate": 1, "after_terminal": 1, "unknown_id": 1}
+    assert conn.pending == {} and book.computed_blocks == 4
+    # Key 1 was answered before its next key, key 3 after (its next key had come); the hold reached the rule.
+    assert book.served_keys == 1 and conn.next_key == {}
+    assert wait.delay(time.perf_counter()) == pytest.approx(0.04)
 
 
 def test_the_new_invariants_break_on_an_http_request_without_json_kv_held_past_5_s_and_a_worker_never_back(result):
