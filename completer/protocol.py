@@ -142,7 +142,7 @@ class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True, omit_defau
     # the other completions, most likely first token first; maybe fewer than n - 1.
     candidates: list[str] | None = None
     # An extension (`server.client_hold`): wait this long after a keystroke before the next `complete`;
-    # 0 when the server is idle or fast (ask at once). Absent from a server that does not say.
+    # 0 (ask at once) unless other clients share a loaded engine (server/hold.py). Absent: the server does not say.
     hold_ms: float | None = None
 
 
