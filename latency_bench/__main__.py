@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "jump-quality": ("jump_quality", "first-line exact match after a jump: K/V reused, moved and warmed, or recomputed"),
     "llama-vim": ("llama_vim", "the same jumps with the real llama.vim on our /infill (--llama-vim PATH: a checkout)"),
     "neovim-jump": ("neovim_jump", "keystroke to ghost text after jumps in a real Neovim, plugin defaults, edits kept"),
+    "typist": ("typist", "a simulated typist types held-out lines back: keystrokes saved, acceptance of shown"),
     "bulk": ("bulk_bench", "one typing editor beside another's long file opens: keystrokes before bulk work or not"),
     "cluster-replay": ("cluster_replay", "the keystroke replay through one process and Ray Serve replicas"),
     "stats": ("stats_bench", "what a /v1/stats call costs the event loop, by requests kept"),

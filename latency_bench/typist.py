@@ -1,0 +1,333 @@
+"""The simulated typist (issue #44): how much less a user types, and how
+often what is shown is right.
+
+    python -m latency_bench typist                      # -> docs/results/typist.json
+    python -m latency_bench typist --sites 20 --rows defaults --out /tmp/t.json
+
+A typist jumps to line starts of held-out code (an installed package's
+sources that nothing here was tuned on; `websockets` by default, not pip's,
+on which the window and the jump work were measured), finds the line empty
+but for its indentation, and types it back at a steady pace (`--key-ms`, 120
+by default) through a client that behaves as ours do: a `complete` per key
+at once, the next key superseding it; the streamed text shown as it comes; a
+ghost text kept, without a request, while the keys typed are what it says.
+Before each key it looks at what is shown:
+
+- `tab` policy: when the ghost text is exactly the rest of the line, Tab
+  takes it (one key); otherwise it types the next character;
+- `word` policy: as `tab`, and when the ghost's next word (the Neovim
+  plugin's rule: spaces then a word, or a run of punctuation) is what comes
+  next on the line, accept-word takes it (one key).
+
+Per row and policy: keystrokes saved (1 - keys pressed / characters typed),
+suggestions shown (a request's text seen at a key, counted once), acceptance
+of shown (the whole rest of the line right when it was first seen), the
+characters taken with Tab or accept-word, and the first text's latency from
+its key. Rows are server settings, each on a fresh server, and `llama_cpp`:
+llama.cpp's llama-server on the default model's own GGUF (built by `python -m
+latency_bench llama-peer build`), asked through its `/completion` with the
+very token ids our pipeline builds for each place (its `/infill` refuses this
+model: no FIM tokens it knows), a line at a time, the request before
+abandoned: the same client, the same prompts, the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import websockets
+from rich.console import Console
+from rich.table import Table
+
+from completer.evaluate import heldout_files
+from completer.model_store import pull
+from latency_bench import llama_peer
+from latency_bench.editors import percentile_ms
+from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.keystroke_bench import free_port
+from latency_bench.replay import display, prompt_states
+from latency_bench.run_results import machine, now, write_result
+
+ROWS: dict[str, tuple[str, ...]] = {"defaults": ()}
+LLAMA_ROW = "llama_cpp"  # llama.cpp's llama-server on the same weights (its /completion: /infill refuses them)
+CONTEXT_TOKENS, MAX_TOKENS = 1024, 64  # completer's defaults: the peer gets the same window and budget
+POLICIES = ("tab", "word")
+MIN_LINE = 8  # characters of a line worth typing (after its indentation)
+console = Console(width=140)
+
+_WORD = re.compile(r"\n[ \t]*|[ \t]*[\w\x80-\U0010ffff]+|[ \t]*[^\w\s\x80-\U0010ffff]+|[ \t]+", re.UNICODE)
+
+
+def next_word(text: str) -> str:
+    """What accept-word takes of `text` (the Neovim plugin's `text.next_word`)."""
+    m = _WORD.match(text)
+    return m.group(0) if m else text[:1]
+
+
+def action(rest: str, ghost: str, policy: str) -> tuple[str, int]:
+    """The typist's next key with `rest` of the line still to type and `ghost`
+    shown: ("tab" | "word" | "type", characters it puts in)."""
+    if ghost and ghost.rstrip() == rest:
+        return "tab", len(rest)
+    if policy == "word" and ghost:
+        word = next_word(ghost)
+        if word.strip() and rest.startswith(word):
+            return "word", len(word)
+    return "type", 1
+
+
+class Site(msgspec.Struct, frozen=True):
+    path: str
+    prefix: str  # the file up to the line, and the line's indentation
+    suffix: str  # from the line's end (its newline) on
+    line: str  # what the typist types
+
+
+def sites(files, count: int, seed: int) -> list[Site]:
+    """`count` line starts of code, one file after another in a seeded order."""
+    rng = random.Random(seed)
+    out: list[Site] = []
+    files = sorted(files, key=lambda f: f.path)
+    rng.shuffle(files)
+    for f in files:
+        lines = f.text.split("\n")
+        offsets = [0]
+        for ln in lines:
+            offsets.append(offsets[-1] + len(ln) + 1)
+        good = [i for i, ln in enumerate(lines) if len(ln.strip()) >= MIN_LINE and not ln.lstrip().startswith("#")
+                and i > 5]
+        for i in rng.sample(good, min(2, len(good))):
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            out.append(Site(f.path, f.text[:offsets[i] + indent], f.text[offsets[i + 1] - 1:], lines[i].strip()))
+            if len(out) == count:
+                return out
+    return out
+
+
+class SiteResult(msgspec.Struct):
+    path: str
+    chars: int
+    keys: int
+    tabs: int = 0  # Tab presses (each took the rest of the line)
+    words: int = 0  # accept-word presses
+    tab_chars: int = 0
+    word_chars: int = 0
+    shown: int = 0
+    shown_right: int = 0  # shown ones whose whole rest of the line was right when first seen
+    first_text_ms: list[float] = []
+
+
+class Streams:
+    """A client's requests and what each has streamed: id -> origin (what was typed when it was asked), text,
+    when it was sent, whether the typist saw it yet; and each first text's latency."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, dict] = {}
+        self.first_text_ms: list[float] = []
+        self.ids = iter(range(10**9))
+
+    def new(self, typed: str) -> str:
+        rid = str(next(self.ids))
+        self.by_id[rid] = {"origin": typed, "text": "", "sent": time.perf_counter(), "seen": False}
+        return rid
+
+    def add(self, rid: str, text: str) -> None:
+        s = self.by_id.get(rid)
+        if s is None or not text:
+            return
+        if not s["text"]:
+            self.first_text_ms.append(round((time.perf_counter() - s["sent"]) * 1000, 1))
+        s["text"] += text
+
+
+class CompleterClient(Streams):
+    """Ours over the WebSocket protocol: a `complete` per ask, the next superseding it at the server."""
+
+    def __init__(self, ws, site: Site, uri: str) -> None:
+        super().__init__()
+        self.ws, self.site, self.uri = ws, site, uri
+        self.reader = asyncio.create_task(self.read())
+
+    async def read(self) -> None:
+        async for raw in self.ws:
+            msg = json.loads(raw)
+            if msg["type"] == "delta":
+                self.add(msg["id"], msg["text"])
+
+    async def ask(self, typed: str) -> str:
+        rid = self.new(typed)
+        await self.ws.send(json.dumps({"type": "complete", "id": rid, "mode": "line",
+                                       "document": {"uri": self.uri, "language": "python",
+                                                    "prefix": self.site.prefix + typed, "suffix": self.site.suffix}}))
+        return rid
+
+    async def close(self) -> None:
+        self.reader.cancel()
+
+
+class LlamaClient(Streams):
+    """llama.cpp's server: a streamed `POST /completion` per ask on the very token ids our pipeline builds
+    for that place (`replay.prompt_states`), `cache_prompt` on, the one before abandoned (its connection
+    closed, as llama.vim stops its job), a line's budget as llama.vim asks it (stop at the newline)."""
+
+    def __init__(self, session, url: str, prompt, site: Site, uri: str, max_tokens: int) -> None:
+        super().__init__()
+        self.session, self.url, self.prompt, self.site, self.uri = session, url, prompt, site, uri
+        self.max_tokens, self.task = max_tokens, None
+
+    async def stream(self, rid: str, ids: list[int]) -> None:
+        body = {"prompt": ids, "n_predict": self.max_tokens, "cache_prompt": True, "stream": True,
+                "temperature": 0.0, "stop": ["\n"]}
+        async with self.session.post(f"{self.url}/completion", json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    chunk = json.loads(line[6:])
+                    self.add(rid, chunk.get("content", ""))
+                    if chunk.get("stop"):
+                        return
+
+    async def ask(self, typed: str) -> str:
+        if self.task is not None:
+            self.task.cancel()
+        rid = self.new(typed)
+        ids = self.prompt.update(self.site.prefix + typed, self.site.suffix, display(self.uri)).tokens
+        self.task = asyncio.create_task(self.stream(rid, list(ids)))
+        return rid
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+async def type_site(client, site: Site, policy: str, key_s: float) -> SiteResult:
+    """Type `site.line` back through `client`, as our editors show what it streams."""
+    out = SiteResult(site.path, len(site.line), 0)
+
+    def shown(rid: str, typed: str) -> str:
+        """What the client shows now: the request's text past what was typed since it was asked, if it agrees."""
+        s = client.by_id[rid]
+        since = typed[len(s["origin"]):]
+        return s["text"][len(since):] if s["text"].startswith(since) and len(s["text"]) > len(since) else ""
+
+    typed, current = "", await client.ask("")
+    next_key = time.perf_counter() + key_s
+    try:
+        while typed != site.line:
+            await asyncio.sleep(max(0.0, next_key - time.perf_counter()))
+            next_key += key_s
+            ghost = shown(current, typed)
+            rest = site.line[len(typed):]
+            if ghost and not client.by_id[current]["seen"]:
+                client.by_id[current]["seen"] = True
+                out.shown += 1
+                out.shown_right += ghost.rstrip() == rest
+            kind, n = action(rest, ghost, policy)
+            typed += rest[:n]
+            out.keys += 1
+            if kind == "tab":
+                out.tabs, out.tab_chars = out.tabs + 1, out.tab_chars + n
+            elif kind == "word":
+                out.words, out.word_chars = out.words + 1, out.word_chars + n
+            if typed != site.line and not shown(current, typed):  # nothing left to show: ask again
+                current = await client.ask(typed)
+    finally:
+        await client.close()
+    out.first_text_ms = client.first_text_ms
+    return out
+
+
+async def run_policy(chosen: list[Site], policy: str, key_s: float, run: str, *, url: str = "", llama: str = "",
+                     builder_for=None, max_tokens: int = 64) -> list[SiteResult]:
+    import aiohttp
+
+    results = []
+    async with (websockets.connect(url, additional_headers={"Authorization": f"Bearer {TOKEN}"}, max_size=None)
+                if url else aiohttp.ClientSession()) as conn:
+        for n, site in enumerate(chosen):
+            uri = f"file:///typist/{run}/{policy}/{n}/{site.path}"
+            client = (LlamaClient(conn, llama, builder_for(), site, uri, max_tokens) if llama
+                      else CompleterClient(conn, site, uri))
+            results.append(await type_site(client, site, policy, key_s))
+            await asyncio.sleep(0.3)  # between sites: the last answers drain
+    return results
+
+
+def summarize(results: list[SiteResult]) -> dict:
+    chars, keys = sum(r.chars for r in results), sum(r.keys for r in results)
+    shown, right = sum(r.shown for r in results), sum(r.shown_right for r in results)
+    firsts = sorted(ms / 1000 for r in results for ms in r.first_text_ms)
+    return {"sites": len(results), "chars": chars, "keys": keys, "saved": round(1 - keys / chars, 4) if chars else None,
+            "shown": shown, "acceptance_of_shown": round(right / shown, 4) if shown else None,
+            "tab_chars": sum(r.tab_chars for r in results), "word_chars": sum(r.word_chars for r in results),
+            "first_text_p50_ms": percentile_ms(firsts, 0.5), "first_text_p90_ms": percentile_ms(firsts, 0.9),
+            "first_text_n": len(firsts)}
+
+
+def run_row(name: str, chosen: list[Site], args) -> dict:
+    key_s = args.key_ms / 1000
+    if name == LLAMA_ROW:  # llama-server on the default model's own GGUF, a slot and our window
+        console.print(f"[bold]{name}[/]: llama-server {llama_peer.DEFAULT_VERSION}, {pull().name}")
+        out: dict = {"settings": [f"llama-server {llama_peer.DEFAULT_VERSION}", pull().name]}
+        builder_for = prompt_states(args.model, CONTEXT_TOKENS, MAX_TOKENS)
+        with llama_peer.llama_server(pull(), port=free_port(), threads=os.cpu_count() or 1, parallel=1,
+                                     ctx_per_slot=CONTEXT_TOKENS) as url:
+            for policy in POLICIES:
+                results = asyncio.run(run_policy(chosen, policy, key_s, name, llama=url, builder_for=builder_for,
+                                                 max_tokens=MAX_TOKENS))
+                out[policy] = {"summary": summarize(results), "sites": [msgspec.to_builtins(r) for r in results]}
+        return out
+    console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in ROWS[name]))
+    out = {"settings": list(ROWS[name])}
+    with running_server(*ROWS[name], model=args.model, timeout=600) as server:
+        for policy in POLICIES:
+            results = asyncio.run(run_policy(chosen, policy, key_s, name, url=server.ws_url))
+            out[policy] = {"summary": summarize(results), "sites": [msgspec.to_builtins(r) for r in results]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", nargs="+", choices=[*ROWS, LLAMA_ROW], default=[*ROWS, LLAMA_ROW])
+    p.add_argument("--sites", type=int, default=40)
+    p.add_argument("--package", default="websockets", help="the installed package whose sources are typed")
+    p.add_argument("--key-ms", type=float, default=120.0)
+    p.add_argument("--model", default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "docs/results/typist.json")
+    args = p.parse_args()
+    if LLAMA_ROW in args.rows:
+        llama_peer.server_binary()  # fail now, not after the other rows
+    corpus, files = heldout_files(args.package)
+    chosen = sites(files, args.sites, args.seed)
+    results = {name: run_row(name, chosen, args) for name in args.rows}
+    t = Table(title=f"the typist ({corpus}, {len(chosen)} lines, {args.key_ms:g} ms a key)")
+    for c in ("row", "policy", "keystrokes saved", "shown", "acceptance of shown", "chars by Tab / word",
+              "first text p50 / p90 (n)"):
+        t.add_column(c, justify="right")
+    for name, r in results.items():
+        for policy in POLICIES:
+            s = r[policy]["summary"]
+            t.add_row(name, policy, f"{s['saved']:.1%}", str(s["shown"]),
+                      "-" if s["acceptance_of_shown"] is None else f"{s['acceptance_of_shown']:.1%}",
+                      f"{s['tab_chars']} / {s['word_chars']}",
+                      f"{s['first_text_p50_ms']} / {s['first_text_p90_ms']} ({s['first_text_n']})")
+    console.print(t)
+    write_result(args.out, {"command": " ".join(sys.argv), "date": now(), "machine": msgspec.to_builtins(machine()),
+                            "corpus": corpus, "args": vars(args) | {"out": str(args.out)},
+                            "sites": [msgspec.to_builtins(s) | {"prefix": None, "suffix": None} for s in chosen],
+                            "rows": results})
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The typist (latency_bench/typist.py): its keys as a user presses them
+(Tab only on the whole rest of the line, accept-word on a right next word,
+else the next character), its sites (code lines of held-out files, the line
+taken out but its indentation), and a short run through the real server
+that types every line back and counts what it saved."""
+
+from __future__ import annotations
+
+import asyncio
+
+from completer.evaluate import heldout_files
+from latency_bench.harness import running_server
+from latency_bench.typist import MIN_LINE, action, next_word, run_policy, sites, summarize
+
+
+def test_the_typist_takes_a_suggestion_only_where_it_is_right():
+    assert action("return self.x", "return self.x", "tab") == ("tab", 13)
+    assert action("return self.x", "return self.x  ", "tab") == ("tab", 13)  # trailing blanks do not matter
+    assert action("return self.x", "return self.y", "tab") == ("type", 1)  # wrong at the end: typed
+    assert action("return self.x", "return self.y", "word") == ("word", 6)  # ... but its first word is right
+    assert action("return self.x", "ret", "word") == ("word", 3)  # the ghost's word as far as it goes
+    assert action("return self.x", "", "word") == action("return self.x", "retry", "word") == ("type", 1)
+    assert [next_word(t) for t in (" self.x", ".x)", "\n    y", "x")] == [" self", ".", "\n    ", "x"]
+
+
+def test_sites_are_code_lines_taken_out_but_their_indentation():
+    _, files = heldout_files("websockets")
+    chosen = sites(files, 12, seed=1)
+    assert len(chosen) == 12 and chosen == sites(files, 12, seed=1)
+    by_path = {f.path: f.text for f in files}
+    for s in chosen:
+        assert len(s.line) >= MIN_LINE and not s.line.startswith("#") and s.line == s.line.strip()
+        line_start = s.prefix.rfind("\n") + 1
+        assert s.prefix[line_start:].strip() == ""  # the indentation is left
+        assert s.prefix + s.line + s.suffix == by_path[s.path]
+
+
+def test_a_short_run_types_every_line_back_and_counts_what_it_saved():
+    _, files = heldout_files("websockets")
+    chosen = sites(files, 3, seed=2)
+    with running_server() as server:
+        results = asyncio.run(run_policy(chosen, "word", 0.05, "ci", url=server.ws_url))
+    summary = summarize(results)
+    assert summary["chars"] == sum(len(s.line) for s in chosen)
+    assert 0 < summary["keys"] <= summary["chars"]  # every line typed back, never more keys than characters
+    for r in results:  # a key is a character typed, a Tab or an accept-word
+        assert r.keys == (r.chars - r.tab_chars - r.word_chars) + r.tabs + r.words, r
+        assert r.tabs <= 1 and r.shown_right <= r.shown
+    assert summary["saved"] == round(1 - summary["keys"] / summary["chars"], 4)
