@@ -45,6 +45,9 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Where a window may start: "content", lines chosen by a hash of their text (the same starts for the
     # same text, whatever a client sends above it; prompt.anchored); "lines", line numbers on a grid.
     window_grid: Literal["content", "lines"] = "content"
+    # Token healing (completer/healing.py): where the prompt ends with the prefix, its last token is taken back
+    # and the completion must spell it again, so a word cut by the cursor is continued as a word. false: off.
+    token_healing: bool = True
 
 
 class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -70,6 +70,7 @@ class CompletionPipeline:
         self.budget = self.window - config.request.max_tokens  # prompt tokens
         self.retrieval = config.model.retrieval
         self.retrieval_hold, self.window_grid = config.model.retrieval_hold, config.model.window_grid
+        self.token_healing = config.model.token_healing
         # (The server's own defaults are never cut: a config may set them past the cap.)
         self.max_deadline_ms = max(config.server.max_deadline_ms, self.defaults.deadline_ms,
                                    self.defaults.first_deadline_ms)
@@ -88,13 +89,13 @@ class CompletionPipeline:
         """The engine request. `state`: the document's prompt state (a fresh one
         if None); `arrival`: when the request arrived (default: now). When the
         prompt ends with the prefix (SPM, the prefix template), token healing
-        backs off its last token, to be re-spelled."""
+        backs off its last token, to be re-spelled (`model.token_healing`)."""
         arrival = time.perf_counter() if arrival is None else arrival
         state = state or self.document()
         snippets = [Snippet(display_path(c.uri) or "", c.text, c.kind) for c in context]
         prompt = state.update(document.prefix, document.suffix, display_path(document.uri), snippets)
         tokens, heal = prompt.tokens, b""
-        if state.builder.template.order != "psm":
+        if self.token_healing and state.builder.template.order != "psm":
             tokens, heal = back_off(self.target.tokenizer, prompt.tokens, prompt.prefix_tokens)
         heal_token = prompt.tokens[-1] if heal else -1
         d = self.defaults

@@ -57,7 +57,7 @@ from latency_bench.keystroke_bench import free_port
 from latency_bench.replay import display, prompt_states
 from latency_bench.run_results import machine, now, write_result
 
-ROWS: dict[str, tuple[str, ...]] = {"defaults": ()}
+ROWS: dict[str, tuple[str, ...]] = {"defaults": (), "no_healing": ("model.token_healing=false",)}
 LLAMA_ROW = "llama_cpp"  # llama.cpp's llama-server on the same weights (its /completion: /infill refuses them)
 CONTEXT_TOKENS, MAX_TOKENS = 1024, 64  # completer's defaults: the peer gets the same window and budget
 POLICIES = ("tab", "word")
@@ -296,7 +296,7 @@ def run_row(name: str, chosen: list[Site], args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", nargs="+", choices=[*ROWS, LLAMA_ROW], default=[*ROWS, LLAMA_ROW])
+    p.add_argument("--rows", nargs="+", choices=[*ROWS, LLAMA_ROW], default=["defaults", LLAMA_ROW])
     p.add_argument("--sites", type=int, default=40)
     p.add_argument("--package", default="websockets", help="the installed package whose sources are typed")
     p.add_argument("--key-ms", type=float, default=120.0)

@@ -1,8 +1,9 @@
 """The typist (latency_bench/typist.py): its keys as a user presses them
 (Tab only on the whole rest of the line, accept-word on a right next word,
 else the next character), its sites (code lines of held-out files, the line
-taken out but its indentation), and a short run through the real server
-that types every line back and counts what it saved."""
+taken out but its indentation), a short run through the real server
+that types every line back and counts what it saved, and the token healing
+switch its `no_healing` row turns off."""
 
 from __future__ import annotations
 
@@ -47,3 +48,20 @@ def test_a_short_run_types_every_line_back_and_counts_what_it_saved():
         assert r.keys == (r.chars - r.tab_chars - r.word_chars) + r.tabs + r.words, r
         assert r.tabs <= 1 and r.shown_right <= r.shown
     assert summary["saved"] == round(1 - summary["keys"] / summary["chars"], 4)
+
+
+async def test_token_healing_has_a_switch_the_typist_rows_use():
+    """`model.token_healing = false` (the typist's `no_healing` row): the prompt's last token is not taken
+    back, so the engine gets one token more of the same prompt."""
+    from latency_bench.harness import collect, complete_msg, connect
+
+    prefix = "import os\n\n\ndef here():\n    return os.path.dirn"
+    tokens = {}
+    for healing in ("true", "false"):
+        with running_server(f"model.token_healing={healing}", "request.max_tokens=4") as server:
+            async with connect(server) as ws:
+                await ws.send(complete_msg("h", prefix, "\n", mode="free"))
+                _, done = await collect(ws, "h")
+        assert done["type"] == "done", done
+        tokens[healing] = done["timings"]["prompt_tokens"]
+    assert tokens["true"] < tokens["false"], tokens
