@@ -130,13 +130,13 @@ class Streams:
     """A client's requests and what each has streamed: id -> origin (what was typed when it was asked), text,
     when it was sent, whether the typist saw it yet; and each first text's latency."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str) -> None:
         self.by_id: dict[str, dict] = {}
         self.first_text_ms: list[float] = []
-        self.ids = iter(range(10**9))
+        self.tag, self.ids = tag, iter(range(10**9))  # ids unique on the connection: a site's tag, then a count
 
     def new(self, typed: str) -> str:
-        rid = str(next(self.ids))
+        rid = f"{self.tag}-{next(self.ids)}"
         self.by_id[rid] = {"origin": typed, "text": "", "sent": time.perf_counter(), "seen": False}
         return rid
 
@@ -152,8 +152,8 @@ class Streams:
 class CompleterClient(Streams):
     """Ours over the WebSocket protocol: a `complete` per ask, the next superseding it at the server."""
 
-    def __init__(self, ws, site: Site, uri: str) -> None:
-        super().__init__()
+    def __init__(self, ws, site: Site, uri: str, tag: str) -> None:
+        super().__init__(tag)
         self.ws, self.site, self.uri = ws, site, uri
         self.reader = asyncio.create_task(self.read())
 
@@ -179,8 +179,8 @@ class LlamaClient(Streams):
     for that place (`replay.prompt_states`), `cache_prompt` on, the one before abandoned (its connection
     closed, as llama.vim stops its job), a line's budget as llama.vim asks it (stop at the newline)."""
 
-    def __init__(self, session, url: str, prompt, site: Site, uri: str, max_tokens: int) -> None:
-        super().__init__()
+    def __init__(self, session, url: str, prompt, site: Site, uri: str, max_tokens: int, tag: str) -> None:
+        super().__init__(tag)
         self.session, self.url, self.prompt, self.site, self.uri = session, url, prompt, site, uri
         self.max_tokens, self.task = max_tokens, None
 
@@ -254,8 +254,8 @@ async def run_policy(chosen: list[Site], policy: str, key_s: float, run: str, *,
                 if url else aiohttp.ClientSession()) as conn:
         for n, site in enumerate(chosen):
             uri = f"file:///typist/{run}/{policy}/{n}/{site.path}"
-            client = (LlamaClient(conn, llama, builder_for(), site, uri, max_tokens) if llama
-                      else CompleterClient(conn, site, uri))
+            client = (LlamaClient(conn, llama, builder_for(), site, uri, max_tokens, str(n)) if llama
+                      else CompleterClient(conn, site, uri, str(n)))
             results.append(await type_site(client, site, policy, key_s))
             await asyncio.sleep(0.3)  # between sites: the last answers drain
     return results
