@@ -184,11 +184,8 @@ class Relay:
 
     def round_trip_ms(self, since: float) -> float | None:
         """Of the last completion request sent at or after `since` and answered: ms from its frame to its done."""
-        sent = {f["id"]: t for t, d, f in self.frames if t >= since and d == "up" and f.get("type") == "complete"
-                and f.get("max_tokens") != 0}
-        ends = [t - sent[f["id"]] for t, d, f in self.frames
-                if d == "down" and f.get("type") == "done" and f.get("id") in sent]
-        return round(ends[-1] * 1000, 1) if ends else None
+        timeline = self.timeline_ms(since)
+        return timeline["done_ms"] if timeline else None
 
     def timeline_ms(self, since: float) -> dict | None:
         """Of the last completion request sent at or after `since` and answered: ms from `since` to its
