@@ -59,6 +59,13 @@ class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # races it: a keystroke's budget cut its suggestion mid-expression (issue #32).
     first_deadline_ms: float = 15000.0
     mode: Mode = "line"
+    # The confidence rules (a token's probability, 0 to 1; 0: no rule; engine.request.Confidence), for
+    # `line` and `block` completions: below min_first_prob up to the first visible token, nothing is shown;
+    # below min_token_prob later on the first line, the suggestion ends before that token; below
+    # min_line_prob on a later line of a block, the block ends before that line.
+    min_first_prob: float = 0.0
+    min_token_prob: float = 0.0
+    min_line_prob: float = 0.0
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -234,6 +241,10 @@ def problems(config: Config) -> list[ConfigProblem]:
         if not (getattr(r, key) > 0 and math.isfinite(getattr(r, key))):  # NaN fails too
             found.append(ConfigProblem((f"request.{key}",),
                                        f"request.{key} = {getattr(r, key)}: must be a positive number"))
+    for key in ("min_first_prob", "min_token_prob", "min_line_prob"):
+        if not 0 <= getattr(r, key) <= 1:  # NaN fails too
+            found.append(ConfigProblem((f"request.{key}",), f"request.{key} = {getattr(r, key)}: must be a "
+                                       "probability, 0 (no rule) to 1"))
     if not 0 <= s.port <= 65535:
         found.append(ConfigProblem(("server.port",), f"server.port = {s.port}: must be 0 (any free port) to 65535"))
     if s.context_store_chars < 0:

@@ -19,7 +19,7 @@ from completer.config import Config
 from completer.document import DocumentPrompt
 from completer.engine.engine import Engine
 from completer.engine.streams import RequestStream
-from completer.engine.request import Mode, Request, SamplingParams
+from completer.engine.request import Confidence, Mode, Request, SamplingParams
 from completer.engine.stopping import next_nonblank_line
 from completer.healing import back_off
 from completer.loading import LoadedModel
@@ -42,6 +42,9 @@ class RequestOptions(msgspec.Struct, frozen=True):
     seed: int | None = None
     cache_salt: str = ""  # who may share this request's cached prefix (see server.prefix_cache_scope)
     n: int = 1  # completions wanted (the engine may return fewer)
+    min_first_prob: float | None = None  # the confidence rules (engine.request.Confidence)
+    min_token_prob: float | None = None
+    min_line_prob: float | None = None
 
     @property
     def priming(self) -> bool:
@@ -103,9 +106,11 @@ class CompletionPipeline:
         # A request may ask for more than the default; the window still bounds prompt + completion.
         wanted = d.max_tokens if options.max_tokens is None else options.max_tokens
         max_tokens = min(wanted, self.window - len(tokens))
+        confidence = Confidence(*(getattr(d if getattr(options, k) is None else options, k)
+                                  for k in ("min_first_prob", "min_token_prob", "min_line_prob")))
         params = SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                                 mode=options.mode or d.mode, stop=options.stop, deadline_s=deadline_ms / 1000,
-                                seed=options.seed, n=options.n)
+                                seed=options.seed, n=options.n, confidence=confidence)
         prefix = document.prefix
         return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
                        suffix=document.suffix[:SUFFIX_FOR_TRIMMING], next_line=next_nonblank_line(document.suffix),

@@ -30,6 +30,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKENS = 4096
 MAX_TEMPERATURE = 2.0
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 MAX_DEADLINE_MS = 600_000.0
 MAX_CANDIDATES = 4  # `n`: each one more is a sequence decoded beside the first
 
@@ -86,6 +87,12 @@ class Complete(msgspec.Struct, tag="complete", tag_field="type", frozen=True):
     # connection's stored files are candidates only within it, and a server that
     # allows the folder (server.workspace_roots) resolves the document's imports there.
     workspace: Uri = ""
+    # The confidence rules (engine.request.Confidence; None: the server's `[request]` default): a token's
+    # probability below which nothing is shown (up to the first visible token), the line ends before it (the
+    # first line), the block ends before its line (block mode's later lines).
+    min_first_prob: Probability | None = None
+    min_token_prob: Probability | None = None
+    min_line_prob: Probability | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):

@@ -6,28 +6,34 @@ often what is shown is right.
 
 A typist jumps to line starts of held-out code (an installed package's
 sources that nothing here was tuned on; `websockets` by default, not pip's,
-on which the window and the jump work were measured), finds the line empty
-but for its indentation, and types it back at a steady pace (`--key-ms`, 120
-by default) through a client that behaves as ours do: a `complete` per key
-at once, the next key superseding it; the streamed text shown as it comes; a
-ghost text kept, without a request, while the keys typed are what it says.
-Before each key it looks at what is shown:
+on which the window and the jump work were measured), finds `--lines` lines
+(2 by default) taken out but the first one's indentation, and types them back
+at a steady pace (`--key-ms`, 120 by default; Enter is one key, the editor
+indenting the next line as the file has it) through a client that behaves as
+ours do: a `complete` per key at once, the next key superseding it, `block`
+mode on a blank line and `line` elsewhere (the clients' rule); the streamed
+text shown as it comes; a ghost text kept, without a request, while the keys
+typed are what it says. Before each key it looks at what is shown:
 
-- `tab` policy: when the ghost text is exactly the rest of the line, Tab
-  takes it (one key); otherwise it types the next character;
+- `tab` policy: when the ghost text is right as far as it goes (all of it is
+  what comes next: the rest of the line, a line cut where the model was
+  unsure, or a block's lines), Tab takes it (one key); otherwise it types the
+  next character;
 - `word` policy: as `tab`, and when the ghost's next word (the Neovim
   plugin's rule: spaces then a word, or a run of punctuation) is what comes
-  next on the line, accept-word takes it (one key).
+  next, accept-word takes it (one key).
 
-Per row and policy: keystrokes saved (1 - keys pressed / characters typed),
-suggestions shown (a request's text seen at a key, counted once), acceptance
-of shown (the whole rest of the line right when it was first seen), the
-characters taken with Tab or accept-word, and the first text's latency from
-its key. Rows are server settings, each on a fresh server, and `llama_cpp`:
+Per row and policy: keystrokes saved (1 - keys pressed / keys typing it all
+takes), suggestions shown (a request's text seen at a key, counted once),
+acceptance of shown (right as far as it goes when first seen), of those the
+ones that also reach the end of the line (the whole rest of the line right),
+the characters taken with Tab or accept-word, and the first text's latency
+from its key. Rows are server settings, each on a fresh server, and `llama_cpp`:
 llama.cpp's llama-server on the default model's own GGUF (built by `python -m
 latency_bench llama-peer build`), asked through its `/completion` with the
 very token ids our pipeline builds for each place (its `/infill` refuses this
-model: no FIM tokens it knows), a line at a time, the request before
+model: no FIM tokens it knows), a line at a time (its best here: a wrong later
+line would make a right first one untakable by Tab), the request before
 abandoned: the same client, the same prompts, the same weights.
 """
 
@@ -57,7 +63,17 @@ from latency_bench.keystroke_bench import free_port
 from latency_bench.replay import display, prompt_states
 from latency_bench.run_results import machine, now, write_result
 
-ROWS: dict[str, tuple[str, ...]] = {"defaults": (), "no_healing": ("model.token_healing=false",)}
+# Each row: its server settings (`--set`), on a fresh server. `before_confidence` is the defaults before
+# the confidence rules (issue #44); the others turn one feature off each.
+NO_CONFIDENCE = ("request.min_first_prob=0", "request.min_token_prob=0", "request.min_line_prob=0")
+ROWS: dict[str, tuple[str, ...]] = {
+    "defaults": (),
+    "before_confidence": NO_CONFIDENCE,
+    "no_line_rule": ("request.min_line_prob=0",),  # blocks as long as the block, however unsure
+    "no_healing": ("model.token_healing=false",),
+    "no_retrieval": ("model.retrieval=false",),
+    "line_grid": ("model.window_grid=lines",),  # window starts on line numbers, not content (issue #42)
+}
 LLAMA_ROW = "llama_cpp"  # llama.cpp's llama-server on the same weights (its /completion: /infill refuses them)
 CONTEXT_TOKENS, MAX_TOKENS = 1024, 64  # completer's defaults: the peer gets the same window and budget
 POLICIES = ("tab", "word")
@@ -73,41 +89,75 @@ def next_word(text: str) -> str:
     return m.group(0) if m else text[:1]
 
 
+def right(ghost: str, rest: str) -> bool:
+    """Whether a ghost text is right as far as it goes, with `rest` still to type."""
+    ghost = ghost.rstrip()
+    return bool(ghost) and rest.startswith(ghost)
+
+
+def to_line_end(ghost: str, rest: str) -> bool:
+    """Whether it is right and reaches the end of the line being typed (the whole rest of the line)."""
+    ghost, line_end = ghost.rstrip(), rest.find("\n", 1)  # (a rest that begins with Enter: the next line's end)
+    return right(ghost, rest) and len(ghost) >= (len(rest) if line_end < 0 else line_end)
+
+
+def key_size(rest: str) -> int:
+    """Characters the next typed key puts in: one, or Enter's newline and the indentation after it."""
+    if rest.startswith("\n"):
+        return len(rest) - len(rest[1:].lstrip(" \t"))
+    return 1
+
+
 def action(rest: str, ghost: str, policy: str) -> tuple[str, int]:
-    """The typist's next key with `rest` of the line still to type and `ghost`
-    shown: ("tab" | "word" | "type", characters it puts in)."""
-    if ghost and ghost.rstrip() == rest:
-        return "tab", len(rest)
+    """The typist's next key with `rest` still to type and `ghost` shown:
+    ("tab" | "word" | "type", characters it puts in)."""
+    if right(ghost, rest):
+        return "tab", len(ghost.rstrip())
     if policy == "word" and ghost:
         word = next_word(ghost)
-        if word.strip() and rest.startswith(word):
+        if word.strip(" \t") and rest.startswith(word):
             return "word", len(word)
-    return "type", 1
+    return "type", key_size(rest)
+
+
+def typing_keys(text: str) -> int:
+    """Keys typing `text` takes without help: a key a character, Enter and its indentation one."""
+    return len(text) - sum(len(ln) - len(ln.lstrip(" \t")) for ln in text.split("\n")[1:])
+
+
+def mode_at(line_before: str, rest: str) -> str:
+    """What our clients ask for: `block` on a blank line (nothing on it before or after the cursor), else `line`."""
+    return "block" if not line_before.strip() and not rest.split("\n", 1)[0].strip() else "line"
 
 
 class Site(msgspec.Struct, frozen=True):
     path: str
-    prefix: str  # the file up to the line, and the line's indentation
-    suffix: str  # from the line's end (its newline) on
-    line: str  # what the typist types
+    prefix: str  # the file up to the first line, and that line's indentation
+    suffix: str  # from the last line's end (its newline) on
+    line: str  # what the typist types: the lines, the first without its indentation
 
 
-def sites(files, count: int, seed: int) -> list[Site]:
-    """`count` line starts of code, one file after another in a seeded order."""
+def code_line(ln: str) -> bool:
+    return len(ln.strip()) >= MIN_LINE and not ln.lstrip().startswith("#")
+
+
+def sites(files, count: int, seed: int, lines: int = 2) -> list[Site]:
+    """`count` runs of `lines` code lines, one file after another in a seeded order."""
     rng = random.Random(seed)
     out: list[Site] = []
     files = sorted(files, key=lambda f: f.path)
     rng.shuffle(files)
     for f in files:
-        lines = f.text.split("\n")
+        text_lines = f.text.split("\n")
         offsets = [0]
-        for ln in lines:
+        for ln in text_lines:
             offsets.append(offsets[-1] + len(ln) + 1)
-        good = [i for i, ln in enumerate(lines) if len(ln.strip()) >= MIN_LINE and not ln.lstrip().startswith("#")
-                and i > 5]
+        good = [i for i in range(6, len(text_lines) - lines + 1)
+                if all(code_line(ln) for ln in text_lines[i: i + lines])]
         for i in rng.sample(good, min(2, len(good))):
-            indent = len(lines[i]) - len(lines[i].lstrip())
-            out.append(Site(f.path, f.text[:offsets[i] + indent], f.text[offsets[i + 1] - 1:], lines[i].strip()))
+            indent = len(text_lines[i]) - len(text_lines[i].lstrip())
+            start, end = offsets[i] + indent, offsets[i + lines] - 1
+            out.append(Site(f.path, f.text[:start], f.text[end:], f.text[start:end]))
             if len(out) == count:
                 return out
     return out
@@ -115,14 +165,16 @@ def sites(files, count: int, seed: int) -> list[Site]:
 
 class SiteResult(msgspec.Struct):
     path: str
-    chars: int
+    chars: int  # keys typing the lines takes without help (`typing_keys`)
     keys: int
-    tabs: int = 0  # Tab presses (each took the rest of the line)
+    tabs: int = 0  # Tab presses (each took a whole ghost text)
     words: int = 0  # accept-word presses
-    tab_chars: int = 0
+    tab_chars: int = 0  # of `chars`, the keys the Tabs' text would have taken
     word_chars: int = 0
     shown: int = 0
-    shown_right: int = 0  # shown ones whose whole rest of the line was right when first seen
+    shown_right: int = 0  # shown ones right as far as they went when first seen
+    shown_line: int = 0  # ... and reaching the end of the line (the whole rest of the line right)
+    shown_lines: int = 0  # shown ones of more than one line (a block)
     first_text_ms: list[float] = []
 
 
@@ -165,9 +217,11 @@ class CompleterClient(Streams):
 
     async def ask(self, typed: str) -> str:
         rid = self.new(typed)
-        await self.ws.send(json.dumps({"type": "complete", "id": rid, "mode": "line",
+        prefix = self.site.prefix + typed  # (the lines are taken out: what is left to type is not in the file)
+        mode = mode_at(prefix[prefix.rfind("\n") + 1:], self.site.suffix)
+        await self.ws.send(json.dumps({"type": "complete", "id": rid, "mode": mode,
                                        "document": {"uri": self.uri, "language": "python",
-                                                    "prefix": self.site.prefix + typed, "suffix": self.site.suffix}}))
+                                                    "prefix": prefix, "suffix": self.site.suffix}}))
         return rid
 
     async def close(self) -> None:
@@ -210,7 +264,7 @@ class LlamaClient(Streams):
 
 async def type_site(client, site: Site, policy: str, key_s: float) -> SiteResult:
     """Type `site.line` back through `client`, as our editors show what it streams."""
-    out = SiteResult(site.path, len(site.line), 0)
+    out = SiteResult(site.path, typing_keys(site.line), 0)
 
     def shown(rid: str, typed: str) -> str:
         """What the client shows now: the request's text past what was typed since it was asked, if it agrees."""
@@ -229,14 +283,16 @@ async def type_site(client, site: Site, policy: str, key_s: float) -> SiteResult
             if ghost and not client.by_id[current]["seen"]:
                 client.by_id[current]["seen"] = True
                 out.shown += 1
-                out.shown_right += ghost.rstrip() == rest
+                out.shown_right += right(ghost, rest)
+                out.shown_line += to_line_end(ghost, rest)
+                out.shown_lines += "\n" in ghost.strip()
             kind, n = action(rest, ghost, policy)
             typed += rest[:n]
             out.keys += 1
             if kind == "tab":
-                out.tabs, out.tab_chars = out.tabs + 1, out.tab_chars + n
+                out.tabs, out.tab_chars = out.tabs + 1, out.tab_chars + typing_keys(rest[:n])
             elif kind == "word":
-                out.words, out.word_chars = out.words + 1, out.word_chars + n
+                out.words, out.word_chars = out.words + 1, out.word_chars + typing_keys(rest[:n])
             if typed != site.line and not shown(current, typed):  # nothing left to show: ask again
                 current = await client.ask(typed)
     finally:
@@ -263,10 +319,13 @@ async def run_policy(chosen: list[Site], policy: str, key_s: float, run: str, *,
 
 def summarize(results: list[SiteResult]) -> dict:
     chars, keys = sum(r.chars for r in results), sum(r.keys for r in results)
-    shown, right = sum(r.shown for r in results), sum(r.shown_right for r in results)
+    shown, taken = sum(r.shown for r in results), sum(r.shown_right for r in results)
+    to_end = sum(r.shown_line for r in results)
     firsts = sorted(ms / 1000 for r in results for ms in r.first_text_ms)
     return {"sites": len(results), "chars": chars, "keys": keys, "saved": round(1 - keys / chars, 4) if chars else None,
-            "shown": shown, "acceptance_of_shown": round(right / shown, 4) if shown else None,
+            "shown": shown, "acceptance_of_shown": round(taken / shown, 4) if shown else None,
+            "whole_line_of_shown": round(to_end / shown, 4) if shown else None,
+            "blocks_shown": sum(r.shown_lines for r in results),
             "tab_chars": sum(r.tab_chars for r in results), "word_chars": sum(r.word_chars for r in results),
             "first_text_p50_ms": percentile_ms(firsts, 0.5), "first_text_p90_ms": percentile_ms(firsts, 0.9),
             "first_text_n": len(firsts)}
@@ -280,7 +339,7 @@ def run_row(name: str, chosen: list[Site], args) -> dict:
         builder_for = prompt_states(args.model, CONTEXT_TOKENS, MAX_TOKENS)
         with llama_peer.llama_server(pull(), port=free_port(), threads=os.cpu_count() or 1, parallel=1,
                                      ctx_per_slot=CONTEXT_TOKENS) as url:
-            for policy in POLICIES:
+            for policy in args.policies:
                 results = asyncio.run(run_policy(chosen, policy, key_s, name, llama=url, builder_for=builder_for,
                                                  max_tokens=MAX_TOKENS))
                 out[policy] = {"summary": summarize(results), "sites": [msgspec.to_builtins(r) for r in results]}
@@ -288,7 +347,7 @@ def run_row(name: str, chosen: list[Site], args) -> dict:
     console.print(f"[bold]{name}[/]: " + " ".join(f"--set {s}" for s in ROWS[name]))
     out = {"settings": list(ROWS[name])}
     with running_server(*ROWS[name], model=args.model, timeout=600) as server:
-        for policy in POLICIES:
+        for policy in args.policies:
             results = asyncio.run(run_policy(chosen, policy, key_s, name, url=server.ws_url))
             out[policy] = {"summary": summarize(results), "sites": [msgspec.to_builtins(r) for r in results]}
     return out
@@ -296,8 +355,12 @@ def run_row(name: str, chosen: list[Site], args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", nargs="+", choices=[*ROWS, LLAMA_ROW], default=["defaults", LLAMA_ROW])
+    p.add_argument("--rows", nargs="+", choices=[*ROWS, LLAMA_ROW], default=["defaults", "before_confidence", LLAMA_ROW])
+    p.add_argument("--row", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
+                   help="a row of your own: its name and server settings (e.g. t2:request.min_token_prob=0.2)")
     p.add_argument("--sites", type=int, default=40)
+    p.add_argument("--lines", type=int, default=2, help="lines typed at each site")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--package", default="websockets", help="the installed package whose sources are typed")
     p.add_argument("--key-ms", type=float, default=120.0)
     p.add_argument("--model", default="default")
@@ -307,17 +370,22 @@ def main() -> int:
     if LLAMA_ROW in args.rows:
         llama_peer.server_binary()  # fail now, not after the other rows
     corpus, files = heldout_files(args.package)
-    chosen = sites(files, args.sites, args.seed)
+    chosen = sites(files, args.sites, args.seed, args.lines)
+    for spec in args.row:
+        name, _, settings = spec.partition(":")
+        ROWS[name] = tuple(s for s in settings.split(",") if s)
+        args.rows.append(name)
     results = {name: run_row(name, chosen, args) for name in args.rows}
-    t = Table(title=f"the typist ({corpus}, {len(chosen)} lines, {args.key_ms:g} ms a key)")
-    for c in ("row", "policy", "keystrokes saved", "shown", "acceptance of shown", "chars by Tab / word",
-              "first text p50 / p90 (n)"):
+    t = Table(title=f"the typist ({corpus}, {len(chosen)} sites of {args.lines} lines, {args.key_ms:g} ms a key)")
+    for c in ("row", "policy", "keystrokes saved", "shown (blocks)", "acceptance of shown", "whole line right",
+              "keys by Tab / word", "first text p50 / p90 (n)"):
         t.add_column(c, justify="right")
     for name, r in results.items():
-        for policy in POLICIES:
+        for policy in args.policies:
             s = r[policy]["summary"]
-            t.add_row(name, policy, f"{s['saved']:.1%}", str(s["shown"]),
+            t.add_row(name, policy, f"{s['saved']:.1%}", f"{s['shown']} ({s['blocks_shown']})",
                       "-" if s["acceptance_of_shown"] is None else f"{s['acceptance_of_shown']:.1%}",
+                      "-" if s["whole_line_of_shown"] is None else f"{s['whole_line_of_shown']:.1%}",
                       f"{s['tab_chars']} / {s['word_chars']}",
                       f"{s['first_text_p50_ms']} / {s['first_text_p90_ms']} ({s['first_text_n']})")
     console.print(t)

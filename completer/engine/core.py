@@ -38,7 +38,7 @@ from completer.engine.remote_prefill import RemotePrefillSteps
 from completer.engine.proposers import DraftModelProposer, NgramProposer, Proposal
 from completer.engine.rejection_sampler import accept_greedy, accept_sampled
 from completer.engine.request import EngineError, Event, FinishReason, Request
-from completer.engine.sampler import Sampler
+from completer.engine.sampler import Sampler, token_probs
 from completer.engine.scheduler import Scheduler, padded_groups
 from completer.engine.sequence import Sequence, Status
 from completer.engine.spec_policy import SpecPolicy
@@ -197,7 +197,7 @@ class EngineCore:
     def _sequence(self, request: Request) -> Sequence:
         p = request.params
         output = OutputText(self.tokenizer.token_bytes, p.mode, p.stop, request.cursor_line, request.suffix,
-                            request.heal, request.next_line)
+                            request.heal, request.next_line, p.confidence)
         return Sequence(request, output, self.kv.roles, self.policy.new_state())
 
     def abort(self, request_id: str) -> None:
@@ -306,8 +306,8 @@ class EngineCore:
             torch.set_num_threads(1 if self.fused else self.decode_threads)
             proposals = self.speculator.propose(decoding)
             accepted = self._verify(decoding, proposals)
-            for seq, tokens in zip(decoding, accepted):
-                self._postprocess(seq, tokens)
+            for seq, (tokens, probs) in zip(decoding, accepted):
+                self._postprocess(seq, tokens, probs)
             self._expire()  # nor wait for the next step to end
         return self.output.drain()
 
@@ -437,20 +437,25 @@ class EngineCore:
         logits, seq.first_logits = seq.first_logits, None
         self.scheduler.start_decoding(seq)
         after_heal, seq.after_heal_logits = seq.after_heal_logits, None
+        sure = seq.params.confidence.on
         if seq.first_token is not None:  # a candidate: its first token was chosen when it was forked
-            tokens = [seq.first_token]
+            tokens, probs = [seq.first_token], [1.0]  # (an alternative by choice: no confidence rule for it)
         else:
             logits = self.sampler.constrain(seq, logits)
             tokens = [self.sampler.sample(seq, logits, heal=False)[0]]
+            probs = token_probs(logits, tokens) if sure else None
             self.candidates.fork(seq, logits, tokens[0])
         if after_heal is not None and tokens[0] == seq.request.heal_token:
             # The draft held: that token spells all the backed-off bytes, so the next is unconstrained.
             tokens.append(self.sampler.sample(seq, after_heal, heal=False)[0])
-        self._postprocess(seq, tokens)  # (a rejected heal token's K/V is rolled back there)
+            if sure:
+                probs = probs + token_probs(after_heal, tokens[1:])
+        self._postprocess(seq, tokens, probs if sure else None)  # (a rejected heal token's K/V is rolled back there)
 
-    def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[list[int]]:
+    def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[tuple[list[int], list[float] | None]]:
         """One target pass over `[last token] + proposal` per sequence; the
-        tokens each keeps (the accepted drafts and the target's own next one)."""
+        tokens each keeps (the accepted drafts and the target's own next one),
+        with their probabilities where the request has confidence rules."""
         rows = [[s.tokens[-1]] + (proposals[s.id].tokens if s.id in proposals else []) for s in seqs]
         started = time.perf_counter()
         logits = self._run("target", seqs, rows)
@@ -465,23 +470,25 @@ class EngineCore:
             drafts = proposal.tokens if proposal else []
             row = logits[b] if drafts else self.sampler.constrain(seq, logits[b])  # no drafts while healing
             if seq.params.greedy:
-                out.append(accept_greedy(drafts, row))
+                tokens = accept_greedy(drafts, row)
             else:
                 probs = proposal.probs if proposal else None
-                out.append(accept_sampled(drafts, probs, row, seq.params.temperature, seq.generator))
+                tokens = accept_sampled(drafts, probs, row, seq.params.temperature, seq.generator)
+            out.append((tokens, token_probs(row, tokens) if seq.params.confidence.on else None))
         # Timed up to here: choosing the tokens waits for the pass to finish (on a GPU too).
         self.policy.costs.observe_target(len(seqs), max(map(len, rows)), time.perf_counter() - started)
         if self.disagg is not None:
             self.disagg.decode_pass_s = time.perf_counter() - started
-        for seq, tokens in zip(seqs, out):
+        for seq, (tokens, _) in zip(seqs, out):
             if seq.id in proposals:
                 self.speculator.observe(seq, proposals[seq.id], len(tokens) - 1)
         return out
 
-    def _postprocess(self, seq: Sequence, tokens: list[int]) -> None:
-        """Stream accepted tokens and stop as the mode says; else make every
-        pool hold exactly the K/V of the accepted tokens but the last."""
-        reason = self.output.append(seq, tokens)
+    def _postprocess(self, seq: Sequence, tokens: list[int], probs: list[float] | None = None) -> None:
+        """Stream accepted tokens and stop as the mode (and the confidence rules,
+        given `probs`) says; else make every pool hold exactly the K/V of the
+        accepted tokens but the last."""
+        reason = self.output.append(seq, tokens, probs)
         if reason is not None:
             self._finish(seq, reason)
             return

@@ -23,12 +23,15 @@ class OutputProcessor:
         self.events: list[Event] = []
         self.candidates = candidates
 
-    def append(self, seq: Sequence, tokens: list[int]) -> FinishReason | None:
+    def append(self, seq: Sequence, tokens: list[int], probs: list[float] | None = None) -> FinishReason | None:
         """Take accepted tokens in order, streaming their text; returns why the
-        sequence ended, if it did (the tokens after that are dropped)."""
-        for token in tokens:
+        sequence ended, if it did (the tokens after that are dropped). `probs`:
+        each token's probability, for the request's confidence rules."""
+        for i, token in enumerate(tokens):
             if token in self.stop_ids:
                 return "eos"
+            if probs is not None and seq.output.unsure(probs[i]):
+                return "stop"  # (the text ends before this token, or at the last sure line)
             seq.tokens.append(token)
             delta, ended = seq.output.add(token)
             self.emit(seq, delta)

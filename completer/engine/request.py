@@ -15,6 +15,20 @@ Mode = Literal["line", "block", "free"]
 GREEDY_BELOW = 1e-5
 
 
+class Confidence(msgspec.Struct, frozen=True):
+    """How sure the model must be of each token (its probability, at
+    temperature 1, among the tokens allowed there) for it to be shown; 0 is
+    no rule. `line` and `block` modes only (`stopping.OutputText`)."""
+
+    first: float = 0.0  # up to the first visible token: below it, no suggestion at all
+    token: float = 0.0  # later, on the first line: the suggestion ends before a token below it
+    line: float = 0.0  # block mode, the lines after the first: the block ends before the first line with one below it
+
+    @property
+    def on(self) -> bool:
+        return self.first > 0 or self.token > 0 or self.line > 0
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 64  # 0: prefill the prompt into the prefix cache and end (`length`), nothing generated
     temperature: float = 0.0
@@ -25,6 +39,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Completions wanted: the others begin with the 2nd..nth most likely first
     # token and share the prompt's cached K/V (`engine.candidates`).
     n: int = 1
+    confidence: Confidence = Confidence()
 
     @property
     def greedy(self) -> bool:

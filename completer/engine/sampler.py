@@ -41,3 +41,11 @@ class Sampler:
         if seq.generator is not None:  # a seeded generator lives on the CPU
             p = p.cpu()
         return int(torch.multinomial(p, 1, generator=seq.generator)), p
+
+
+def token_probs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """The probability of each chosen token at temperature 1: row i of
+    `logits` ([>= len(tokens), V], or [V] for one token) is where tokens[i] was chosen (a constrained
+    row gives its probability among the allowed tokens)."""
+    rows = softmax_at(logits.reshape(-1, logits.shape[-1])[: len(tokens)], 1.0)
+    return rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()

@@ -14,6 +14,7 @@ import codecs
 import re
 from typing import Callable
 
+from completer.engine.request import Confidence
 from completer.healing import consume
 
 
@@ -92,11 +93,13 @@ class OutputText:
     """Accumulates a request's text token by token; says what may be sent."""
 
     def __init__(self, token_bytes: Callable[[int], bytes], mode: str, stop: tuple[str, ...],
-                 cursor_line: str = "", suffix: str = "", heal: bytes = b"", next_line: str = ""):
+                 cursor_line: str = "", suffix: str = "", heal: bytes = b"", next_line: str = "",
+                 confidence: Confidence = Confidence()):
         """next_line: the file's first non-blank line below the cursor's
         (`next_nonblank_line`); in `line` and `block` modes a completed line
         equal to it (whitespace stripped) ends the text before that line, as
-        llama.vim and Tabby drop suggestions that repeat the code below."""
+        llama.vim and Tabby drop suggestions that repeat the code below.
+        confidence: where the text ends because the model is unsure (`unsure`)."""
         self.token_bytes = token_bytes
         self.heal = heal  # bytes the first tokens must re-spell (token healing); not output
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -113,6 +116,9 @@ class OutputText:
         self.suffix_line = (suffix if nl < 0 else suffix[:nl]).rstrip()
         self.next_line = next_line.strip() if mode != "free" else ""
         self.unchecked_line = 0  # offset in `text` of the first line not yet compared with next_line
+        self.confidence = confidence if mode != "free" else Confidence()
+        # Block mode's later lines are sent only once complete and sure (`_holdback`).
+        self.hold_lines = mode == "block" and self.confidence.line > 0
         self.text = ""
         self.emitted = 0  # chars of `text` already sent
 
@@ -161,9 +167,32 @@ class OutputText:
         line = self.text[start:] if start else self.cursor_line + self.text
         return len(self.text) - max(0, start - 1) if self.next_line.startswith(line.strip()) else 0
 
+    def unsure(self, prob: float) -> bool:
+        """Whether the text ends before a token the model gives `prob`, by the
+        confidence rules; if so, `text` is cut to what stays. Up to the first
+        visible token the `first` rule holds (below it: nothing is shown); on
+        the first line after it, `token` (the text ends before the token); in
+        block mode on a later line, `line` (the block ends before that line)."""
+        c = self.confidence
+        if not c.on:
+            return False
+        if not self.text.strip():
+            if prob >= max(c.first, c.token):
+                return False
+            self.text = self.text[: self.emitted]  # (whitespace, all held back: nothing was sent)
+            return True
+        later_line = self.mode == "block" and line_mode_end(self.text) is not None
+        if prob >= (c.line if later_line else c.token):
+            return False
+        if later_line:  # (the line in progress and the newline before it were held back)
+            self.text = self.text[: max(self.text.rfind("\n"), self.emitted)]
+        return True
+
     def _holdback(self) -> int:
         """Chars at the end that might yet be trimmed."""
         hold = overlap_with_suffix(self.text, self.suffix_line) if self.suffix_line else 0
+        if self.hold_lines and line_mode_end(self.text) is not None:  # a later line, until it is complete
+            hold = max(hold, len(self.text) - self.text.rfind("\n"))
         if self.next_line:
             hold = max(hold, self._next_line_holdback())
         for n in range(min(self.longest_head, len(self.text)), hold, -1):

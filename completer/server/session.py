@@ -157,7 +157,9 @@ class Session:
         if first and deadline_ms is None:  # the document's first request: a cold prefill, no keystroke racing it
             deadline_ms = self.config.request.first_deadline_ms
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                 stop=tuple(msg.stop), deadline_ms=deadline_ms, n=msg.n)
+                                 stop=tuple(msg.stop), deadline_ms=deadline_ms, n=msg.n,
+                                 min_first_prob=msg.min_first_prob, min_token_prob=msg.min_token_prob,
+                                 min_line_prob=msg.min_line_prob)
         try:
             found = self.workspace_files.imported(msg.workspace, msg.document)
             context = self.context_store.candidates(msg.document, msg.context, msg.workspace, found)

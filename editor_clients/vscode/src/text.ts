@@ -4,33 +4,29 @@
 
 import type { DocumentState, Mode } from './protocol';
 
-const BLOCK_OPENER = /[:{([]$/;
-
 /**
- * `block` at an empty line right after a line that opens a block (ends with
- * `:` `{` `(` `[`); `line` everywhere else (mid-line, end of a line, a blank
- * line elsewhere).
+ * `block` on a blank line (after a line that opens a block, or in a body: a
+ * new statement may follow, and the server ends the block before its first
+ * line the model is unsure of); `line` everywhere else (code after the cursor
+ * is the rest of a statement). The Neovim plugin's `auto` rule.
  */
-export function chooseMode(currentLine: string, previousLine: string | undefined): Mode {
-  if (currentLine.trim() === '' && previousLine !== undefined && BLOCK_OPENER.test(previousLine.trimEnd())) {
-    return 'block';
-  }
-  return 'line';
+export function chooseMode(currentLine: string): Mode {
+  return currentLine.trim() === '' ? 'block' : 'line';
 }
 
 /** `chooseMode` at offset `cursor` of `text`. */
 export function modeAt(text: string, cursor: number): Mode {
   const lineStart = text.lastIndexOf('\n', cursor - 1) + 1;
   const lineEnd = text.indexOf('\n', cursor);
-  const line = text.slice(lineStart, lineEnd < 0 ? text.length : lineEnd);
-  const previous = lineStart > 0 ? text.slice(text.lastIndexOf('\n', lineStart - 2) + 1, lineStart - 1) : undefined;
-  return chooseMode(line, previous);
+  return chooseMode(text.slice(lineStart, lineEnd < 0 ? text.length : lineEnd));
 }
 
 /** The `document` of a request at offset `cursor` of `text`. */
 export function documentAt(uri: string, language: string, text: string, cursor: number): DocumentState {
   return { uri, language, prefix: capPrefix(text.slice(0, cursor)), suffix: capSuffix(text.slice(cursor)) };
 }
+
+const BLOCK_OPENER = /[:{([]$/;
 
 /**
  * The indentation an editor gives the line after `line` on Enter: the same,

@@ -22,25 +22,21 @@ import { FinishHow, keptChars, Shown, ShownTracker, TextSource } from '../src/tr
 
 describe('chooseMode', () => {
   it('is line mid-line and at the end of a line', () => {
-    assert.equal(chooseMode('    x = foo(', 'def f():'), 'line');
-    assert.equal(chooseMode('    return x', 'def f():'), 'line');
+    assert.equal(chooseMode('    x = foo('), 'line');
+    assert.equal(chooseMode('    return x'), 'line');
   });
-  it('is block at an empty line right after a block opener', () => {
-    for (const opener of ['def f(a):', 'if (x) {', 'call(', 'xs = [', 'class A:  ']) {
-      assert.equal(chooseMode('    ', opener), 'block', opener);
-      assert.equal(chooseMode('', opener), 'block', opener);
+  it('is block on a blank line (the server ends a block at its first unsure line)', () => {
+    for (const blank of ['', '    ', '\t']) {
+      assert.equal(chooseMode(blank), 'block', JSON.stringify(blank));
     }
   });
-  it('is line at an empty line after anything else', () => {
-    assert.equal(chooseMode('', 'x = 1'), 'line');
-    assert.equal(chooseMode('', undefined), 'line');
-    assert.equal(chooseMode('', ''), 'line');
-  });
   it('is found from a document and an offset', () => {
-    const text = 'def f(a):\n    \n    return a\n';
+    const text = 'def f(a):\n    \n    return a\n\nx = 1';
     assert.equal(modeAt(text, text.indexOf('    \n') + 4), 'block');
     assert.equal(modeAt(text, text.indexOf('return')), 'line');
-    assert.equal(modeAt('', 0), 'line');
+    assert.equal(modeAt(text, text.indexOf('\n\n') + 1), 'block');
+    assert.equal(modeAt(text, text.indexOf('x = 1') + 3), 'line');
+    assert.equal(modeAt('', 0), 'block');
   });
   it('indents the next line as an editor does on Enter', () => {
     assert.equal(nextLineIndent('    return x', '    '), '    ');
