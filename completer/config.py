@@ -63,9 +63,10 @@ class RequestSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `line` and `block` completions: below min_first_prob up to the first visible token, nothing is shown;
     # below min_token_prob later on the first line, the suggestion ends before that token; below
     # min_line_prob on a later line of a block, the block ends before that line.
-    min_first_prob: float = 0.0
-    min_token_prob: float = 0.0
-    min_line_prob: float = 0.0
+    # Chosen on the typist (BENCHMARKS.md, 2026-12-06): Tab saves ~10 points more keystrokes than without.
+    min_first_prob: float = 0.4
+    min_token_prob: float = 0.35
+    min_line_prob: float = 0.7
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -6,7 +6,12 @@ environment (third-party code the models never saw). Figures:
 - greedy first-line exact match at seeded random line starts (cursor after
   the line's indentation, rest of the file as suffix) and mid-line (cursor
   inside the line's text), as served: through the engine, with the served
-  template, token healing and line-mode stop logic;
+  template, token healing and line-mode stop logic, the confidence rules off
+  (the model's own line);
+- the confidence rules' trade at the same line starts, with the server's
+  `[request]` defaults: the share of places with a suggestion shown, of
+  those the share right as far as it goes and the share that is the whole
+  line, and the line's characters a right suggestion covers (all places);
 - the drafter's acceptance through the engine: drafter proposals only, at a
   fixed draft length k, greedy, 32 tokens from each prompt: accepted / proposed
   draft tokens, and tokens per verifying pass.
@@ -47,6 +52,12 @@ class EvalReport(msgspec.Struct):
     exact_match_n: int
     exact_match_mid_line: float
     target_params: int
+    # The confidence rules (the `[request]` defaults) at the line starts: shown / places, right (as far as it
+    # goes) / shown, whole line / shown, and the characters of the lines that right suggestions cover.
+    confident_shown: float | None = None
+    confident_right_of_shown: float | None = None
+    confident_whole_of_shown: float | None = None
+    confident_chars_covered: float | None = None
     draft: str | None = None
     draft_bits_per_byte: float | None = None
     draft_acceptance: float | None = None  # accepted / proposed draft tokens (all k of every round)
@@ -131,8 +142,10 @@ async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_toke
                  retrieval: bool = True, engine: EngineConfig = EngineConfig()) -> list[Finished]:
     """Each pick's completion as the server makes it (the pipeline, then the
     engine), one at a time; `contexts`: each pick's context items."""
+    # Without the confidence rules unless `options` has them: a line as the model ends it.
     config = Config(model=ModelSection(context_tokens=context_tokens, retrieval=retrieval), spec=spec,
-                    request=RequestSection(deadline_ms=600_000), engine=engine)
+                    request=RequestSection(deadline_ms=600_000, min_first_prob=0, min_token_prob=0, min_line_prob=0),
+                    engine=engine)
     async with LocalCompleter(lm, draft, config) as completer:
         done = []
         for i, (f, cursor, end) in enumerate(picks):
@@ -144,11 +157,26 @@ async def served(lm: LoadedModel, draft: LoadedModel | None, picks, context_toke
 
 def completions(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
                 contexts: list[list[ContextItem]] | None = None, retrieval: bool = True,
-                engine: EngineConfig = EngineConfig()) -> list[str]:
-    """Each pick's served first line (line mode, the default speculation)."""
-    done = asyncio.run(served(lm, draft, picks, context_tokens, RequestOptions(max_tokens=48, mode="line"),
+                engine: EngineConfig = EngineConfig(), options: RequestOptions | None = None) -> list[str]:
+    """Each pick's served first line (line mode, the default speculation; `options`: others)."""
+    options = options or RequestOptions(max_tokens=48, mode="line")
+    done = asyncio.run(served(lm, draft, picks, context_tokens, options,
                               SpecConfig(draft_model=draft is not None), contexts, retrieval, engine))
     return [d.text.rstrip() for d in done]
+
+
+def confidence_trade(lm: LoadedModel, picks, context_tokens: int, draft: LoadedModel | None = None,
+                     rules: RequestSection = RequestSection()) -> dict[str, float]:
+    """The confidence rules of `rules` at `picks`: what is shown and how often it is right."""
+    options = RequestOptions(max_tokens=48, mode="line", min_first_prob=rules.min_first_prob,
+                             min_token_prob=rules.min_token_prob, min_line_prob=rules.min_line_prob)
+    texts = completions(lm, picks, context_tokens, draft, options=options)
+    truths = [f.text[cursor:end].rstrip() for f, cursor, end in picks]
+    shown = [(t, truth) for t, truth in zip(texts, truths) if t.strip()]
+    right = [(t, truth) for t, truth in shown if truth.startswith(t)]
+    return {"shown": len(shown) / len(picks), "right_of_shown": len(right) / max(1, len(shown)),
+            "whole_of_shown": sum(t == truth for t, truth in right) / max(1, len(shown)),
+            "chars_covered": sum(len(t) for t, _ in right) / max(1, sum(map(len, truths)))}
 
 
 def hits(texts: list[str], picks) -> list[bool]:
@@ -270,11 +298,21 @@ def main(args: argparse.Namespace) -> int:
         exact_match=exact_match(target, picks, args.context_tokens, draft), exact_match_n=len(picks),
         exact_match_mid_line=exact_match(target, mid, args.context_tokens, draft),
         target_params=target.model.config.num_parameters())
+    rules = RequestSection()
+    if rules.min_first_prob or rules.min_token_prob:
+        trade = confidence_trade(target, picks, args.context_tokens, draft, rules)
+        report.confident_shown, report.confident_right_of_shown = trade["shown"], trade["right_of_shown"]
+        report.confident_whole_of_shown, report.confident_chars_covered = trade["whole_of_shown"], trade["chars_covered"]
     print(f"held-out corpus: {report.corpus} ({report.files} files)")
     print(f"target: {target.name}, {report.target_params / 1e6:.2f}M params, template {report.template}, "
           f"{report.target_bits_per_byte:.3f} bits/byte")
     print(f"first-line exact match, as served (greedy): {report.exact_match:.1%} at line starts, "
           f"{report.exact_match_mid_line:.1%} mid-line, of {report.exact_match_n} each")
+    if report.confident_shown is not None:
+        print(f"with the confidence rules (min_first_prob {rules.min_first_prob}, min_token_prob "
+              f"{rules.min_token_prob}), at the line starts: shown at {report.confident_shown:.1%}, right as far "
+              f"as it goes {report.confident_right_of_shown:.1%} of shown ({report.confident_whole_of_shown:.1%} "
+              f"the whole line), {report.confident_chars_covered:.1%} of the lines' characters covered")
     if draft is not None:
         report.draft, report.draft_k = draft.name, args.draft_k
         if not draft.model.config.head_vocab_size:  # a reduced head cannot spell every token

@@ -45,6 +45,7 @@ class RequestOptions(msgspec.Struct, frozen=True):
     min_first_prob: float | None = None  # the confidence rules (engine.request.Confidence)
     min_token_prob: float | None = None
     min_line_prob: float | None = None
+    report_probs: bool = False  # Finished.probs: each token's text and probability
 
     @property
     def priming(self) -> bool:
@@ -110,7 +111,8 @@ class CompletionPipeline:
                                   for k in ("min_first_prob", "min_token_prob", "min_line_prob")))
         params = SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                                 mode=options.mode or d.mode, stop=options.stop, deadline_s=deadline_ms / 1000,
-                                seed=options.seed, n=options.n, confidence=confidence)
+                                seed=options.seed, n=options.n, confidence=confidence,
+                                report_probs=options.report_probs)
         prefix = document.prefix
         return Request(request_id, tokens, params, cursor_line=prefix[prefix.rfind("\n") + 1:],
                        suffix=document.suffix[:SUFFIX_FOR_TRIMMING], next_line=next_nonblank_line(document.suffix),

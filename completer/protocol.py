@@ -93,6 +93,8 @@ class Complete(msgspec.Struct, tag="complete", tag_field="type", frozen=True):
     min_first_prob: Probability | None = None
     min_token_prob: Probability | None = None
     min_line_prob: Probability | None = None
+    # An extension: `done.probs` lists each token taken, its text and its probability (as the rules see it).
+    probs: bool = False
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", frozen=True):
@@ -151,6 +153,12 @@ class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True, omit_defau
     # An extension (`server.client_hold`): wait this long after a keystroke before the next `complete`;
     # 0 (ask at once) unless other clients share a loaded engine (server/hold.py). Absent: the server does not say.
     hold_ms: float | None = None
+    # An extension: the confidence rule that ended the text (docs/protocol.md): "first" (nothing shown: the
+    # model was unsure from the start), "token" (the line ends where it became unsure), "line" (a block's).
+    cut: Literal["first", "token", "line"] | None = None
+    # An extension, only when the request asked (`probs`): [text, probability] of each token taken, in order;
+    # their texts joined begin as `text` does (a trimmed end may leave some out of it).
+    probs: list[tuple[str, float]] | None = None
 
 
 ErrorCode = Literal["bad_request", "unsupported", "too_large", "overloaded", "internal"]

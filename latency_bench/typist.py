@@ -172,15 +172,18 @@ class SiteResult(msgspec.Struct):
     tab_chars: int = 0  # of `chars`, the keys the Tabs' text would have taken
     word_chars: int = 0
     shown: int = 0
-    shown_right: int = 0  # shown ones right as far as they went when first seen
+    # Shown ones right as far as they go (the whole text the server sent, from where it was first seen; a
+    # request superseded while it streamed: what came of it) ...
+    shown_right: int = 0
     shown_line: int = 0  # ... and reaching the end of the line (the whole rest of the line right)
-    shown_lines: int = 0  # shown ones of more than one line (a block)
+    shown_lines: int = 0  # shown ones seen with more than one line (a block)
+    blocks_taken: int = 0  # Tabs that took more than one line
     first_text_ms: list[float] = []
 
 
 class Streams:
     """A client's requests and what each has streamed: id -> origin (what was typed when it was asked), text,
-    when it was sent, whether the typist saw it yet; and each first text's latency."""
+    when it was sent, where the typist first saw it (`seen`); and each first text's latency."""
 
     def __init__(self, tag: str) -> None:
         self.by_id: dict[str, dict] = {}
@@ -189,7 +192,7 @@ class Streams:
 
     def new(self, typed: str) -> str:
         rid = f"{self.tag}-{next(self.ids)}"
-        self.by_id[rid] = {"origin": typed, "text": "", "sent": time.perf_counter(), "seen": False}
+        self.by_id[rid] = {"origin": typed, "text": "", "sent": time.perf_counter()}
         return rid
 
     def add(self, rid: str, text: str) -> None:
@@ -280,23 +283,31 @@ async def type_site(client, site: Site, policy: str, key_s: float) -> SiteResult
             next_key += key_s
             ghost = shown(current, typed)
             rest = site.line[len(typed):]
-            if ghost and not client.by_id[current]["seen"]:
-                client.by_id[current]["seen"] = True
-                out.shown += 1
-                out.shown_right += right(ghost, rest)
-                out.shown_line += to_line_end(ghost, rest)
-                out.shown_lines += "\n" in ghost.strip()
+            s = client.by_id[current]
+            if ghost and "seen" not in s:  # where it was first seen: judged once all of it came (below)
+                s["seen"] = (len(typed) - len(s["origin"]), rest)
+            if "\n" in ghost.strip() and not s.get("block"):
+                s["block"] = True
+                out.shown_lines += 1
             kind, n = action(rest, ghost, policy)
             typed += rest[:n]
             out.keys += 1
             if kind == "tab":
                 out.tabs, out.tab_chars = out.tabs + 1, out.tab_chars + typing_keys(rest[:n])
+                out.blocks_taken += "\n" in rest[:n].strip()
             elif kind == "word":
                 out.words, out.word_chars = out.words + 1, out.word_chars + typing_keys(rest[:n])
             if typed != site.line and not shown(current, typed):  # nothing left to show: ask again
                 current = await client.ask(typed)
+        await asyncio.sleep(key_s)  # the last texts come in
     finally:
         await client.close()
+    for s in client.by_id.values():  # each suggestion shown, as the server sent it, from where it was first seen
+        if "seen" in s:
+            since, rest = s["seen"]
+            out.shown += 1
+            out.shown_right += right(s["text"][since:], rest)
+            out.shown_line += to_line_end(s["text"][since:], rest)
     out.first_text_ms = client.first_text_ms
     return out
 
@@ -325,7 +336,7 @@ def summarize(results: list[SiteResult]) -> dict:
     return {"sites": len(results), "chars": chars, "keys": keys, "saved": round(1 - keys / chars, 4) if chars else None,
             "shown": shown, "acceptance_of_shown": round(taken / shown, 4) if shown else None,
             "whole_line_of_shown": round(to_end / shown, 4) if shown else None,
-            "blocks_shown": sum(r.shown_lines for r in results),
+            "blocks_shown": sum(r.shown_lines for r in results), "blocks_taken": sum(r.blocks_taken for r in results),
             "tab_chars": sum(r.tab_chars for r in results), "word_chars": sum(r.word_chars for r in results),
             "first_text_p50_ms": percentile_ms(firsts, 0.5), "first_text_p90_ms": percentile_ms(firsts, 0.9),
             "first_text_n": len(firsts)}
@@ -377,13 +388,13 @@ def main() -> int:
         args.rows.append(name)
     results = {name: run_row(name, chosen, args) for name in args.rows}
     t = Table(title=f"the typist ({corpus}, {len(chosen)} sites of {args.lines} lines, {args.key_ms:g} ms a key)")
-    for c in ("row", "policy", "keystrokes saved", "shown (blocks)", "acceptance of shown", "whole line right",
+    for c in ("row", "policy", "keystrokes saved", "shown (blocks / taken)", "acceptance of shown", "whole line right",
               "keys by Tab / word", "first text p50 / p90 (n)"):
         t.add_column(c, justify="right")
     for name, r in results.items():
         for policy in args.policies:
             s = r[policy]["summary"]
-            t.add_row(name, policy, f"{s['saved']:.1%}", f"{s['shown']} ({s['blocks_shown']})",
+            t.add_row(name, policy, f"{s['saved']:.1%}", f"{s['shown']} ({s['blocks_shown']} / {s['blocks_taken']})",
                       "-" if s["acceptance_of_shown"] is None else f"{s['acceptance_of_shown']:.1%}",
                       "-" if s["whole_line_of_shown"] is None else f"{s['whole_line_of_shown']:.1%}",
                       f"{s['tab_chars']} / {s['word_chars']}",

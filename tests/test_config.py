@@ -67,6 +67,7 @@ def test_a_flag_is_named_as_typed():
 # A value out of its own range: the message names its key.
 OUT_OF_RANGE = [
     "request.max_tokens=0", "request.deadline_ms=0", "request.deadline_ms=nan",
+    "request.min_first_prob=-0.1", "request.min_token_prob=1.5", "request.min_line_prob=nan",
     "engine.kv_cache_mb=0", "engine.kv_cache_mb=-1.5", "engine.block_size=0", "engine.max_running=0",
     "engine.max_queue=0", "engine.prefill_chunk=0", "engine.threads=-1",
     "spec.k_max=-1", "spec.ngram_min=0", "spec.draft_share=0", "spec.draft_share=1",
@@ -102,6 +103,7 @@ def test_values_that_cannot_work_stop_the_load_naming_the_keys_and_the_set(overr
     ["spec.draft_model=false", "spec.draft_share=0"],  # no drafter, no share to give it
     ["server.port=0"], ["engine.threads=0"], ["compat.port=0"], ["compat.enabled=false", "compat.port=8750"],
     ["server.context_chars_total=0"],  # nothing kept across requests: each request's own files only
+    ["request.min_first_prob=0", "request.min_token_prob=1", "request.min_line_prob=1"],  # a rule off, or all
 ])
 def test_values_at_their_bounds_load(overrides):
     assert isinstance(load_config(CONFIGS / "default.toml", overrides), Config)

@@ -148,3 +148,52 @@ def test_a_completion_that_opens_a_new_line_keeps_the_cursor_line_as_it_is():
 def test_free_mode_keeps_lines_that_repeat_the_next_line():
     _, text, _ = stream(b("return x", "\n", "foo"), mode="free", cursor_line="    ", next_line="return x")
     assert text == "return x\nfoo"
+
+
+def confident(pieces: list[tuple[str, float]], mode="line", cursor_line="    ", **rules):
+    """Feed (text, probability) tokens under the confidence rules as the engine does (`unsure` before
+    `add`); returns (deltas, final text)."""
+    from completer.engine.request import Confidence
+
+    out = OutputText(lambda i: pieces[i][0].encode(), mode, (), cursor_line, confidence=Confidence(**rules))
+    deltas = []
+    for i, (_, prob) in enumerate(pieces):
+        if out.unsure(prob):
+            break
+        delta, ended = out.add(i)
+        deltas.append(delta)
+        if ended:
+            break
+    deltas.append(out.finish())
+    assert "".join(deltas) == out.text  # nothing sent is taken back
+    return [d for d in deltas if d], out.text
+
+
+def test_no_suggestion_when_a_token_up_to_the_first_visible_one_is_unsure():
+    assert confident([("x", 0.2), (" = 1", 0.9)], first=0.3)[1] == ""
+    assert confident([("\n", 0.2), ("    x", 0.9)], first=0.3)[1] == ""  # a blank start counts too
+    assert confident([("x", 0.4), (" = 1", 0.9)], first=0.3)[1] == "x = 1"
+
+
+def test_a_line_ends_before_its_first_unsure_token():
+    _, text = confident([("return", 0.9), (" self", 0.8), (".x", 0.1), (" + 1", 0.9)], token=0.3)
+    assert text == "return self"
+    # the first token answers to the stricter of the two rules
+    assert confident([("return", 0.25), (" self", 0.8)], first=0.2, token=0.3)[1] == ""
+
+
+def test_a_block_ends_before_its_first_unsure_line_and_sends_a_line_only_once_it_is_sure():
+    pieces = [("x = 1", 0.9), ("\n    ", 0.9), ("y", 0.9), (" = 2", 0.8), ("\n    ", 0.9), ("z", 0.9),
+              (" = g", 0.2), ("()", 0.9)]
+    deltas, text = confident(pieces, mode="block", line=0.5)
+    assert text == "x = 1\n    y = 2"
+    assert "z" not in "".join(deltas)
+    # the first line answers to the token rule alone; unsure later lines go whole
+    _, text = confident([("x", 0.9), (" = 1", 0.4), ("\n    ", 0.9), ("y", 0.4)], mode="block", line=0.5)
+    assert text == "x = 1"
+    _, text = confident([("x", 0.9), (" = 1", 0.4), ("\n    ", 0.9), ("y", 0.4)], mode="block", token=0.5)
+    assert text == "x"
+
+
+def test_free_mode_has_no_confidence_rules():
+    assert confident([("x", 0.01), (" = 1", 0.01)], mode="free", first=0.5, token=0.5)[1] == "x = 1"

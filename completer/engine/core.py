@@ -197,7 +197,7 @@ class EngineCore:
     def _sequence(self, request: Request) -> Sequence:
         p = request.params
         output = OutputText(self.tokenizer.token_bytes, p.mode, p.stop, request.cursor_line, request.suffix,
-                            request.heal, request.next_line, p.confidence)
+                            request.heal, request.next_line, p.confidence, p.report_probs)
         return Sequence(request, output, self.kv.roles, self.policy.new_state())
 
     def abort(self, request_id: str) -> None:
@@ -437,7 +437,7 @@ class EngineCore:
         logits, seq.first_logits = seq.first_logits, None
         self.scheduler.start_decoding(seq)
         after_heal, seq.after_heal_logits = seq.after_heal_logits, None
-        sure = seq.params.confidence.on
+        sure = seq.params.wants_probs
         if seq.first_token is not None:  # a candidate: its first token was chosen when it was forked
             tokens, probs = [seq.first_token], [1.0]  # (an alternative by choice: no confidence rule for it)
         else:
@@ -455,7 +455,7 @@ class EngineCore:
     def _verify(self, seqs: list[Sequence], proposals: dict[str, Proposal]) -> list[tuple[list[int], list[float] | None]]:
         """One target pass over `[last token] + proposal` per sequence; the
         tokens each keeps (the accepted drafts and the target's own next one),
-        with their probabilities where the request has confidence rules."""
+        with their probabilities where the request wants them (confidence rules, reported)."""
         rows = [[s.tokens[-1]] + (proposals[s.id].tokens if s.id in proposals else []) for s in seqs]
         started = time.perf_counter()
         logits = self._run("target", seqs, rows)
@@ -474,7 +474,7 @@ class EngineCore:
             else:
                 probs = proposal.probs if proposal else None
                 tokens = accept_sampled(drafts, probs, row, seq.params.temperature, seq.generator)
-            out.append((tokens, token_probs(row, tokens) if seq.params.confidence.on else None))
+            out.append((tokens, token_probs(row, tokens) if seq.params.wants_probs else None))
         # Timed up to here: choosing the tokens waits for the pass to finish (on a GPU too).
         self.policy.costs.observe_target(len(seqs), max(map(len, rows)), time.perf_counter() - started)
         if self.disagg is not None:

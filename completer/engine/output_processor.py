@@ -33,7 +33,7 @@ class OutputProcessor:
             if probs is not None and seq.output.unsure(probs[i]):
                 return "stop"  # (the text ends before this token, or at the last sure line)
             seq.tokens.append(token)
-            delta, ended = seq.output.add(token)
+            delta, ended = seq.output.add(token, probs[i] if probs is not None else None)
             self.emit(seq, delta)
             if ended:
                 return "stop"
@@ -58,7 +58,8 @@ class OutputProcessor:
         t.total_ms = (now - seq.arrival) * 1000
         t.ttft_ms = ((seq.first_token_at or now) - seq.arrival) * 1000
         t.generated_tokens = seq.num_generated
-        finished: Finished | None = Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t)
+        finished: Finished | None = Finished(seq.id, reason, seq.output.text[: seq.output.emitted], t,
+                                             cut=seq.output.cut, probs=tuple(seq.output.pieces or ()))
         if self.candidates is not None:
             if seq.candidate_of is not None:
                 finished = self.candidates.candidate_ended(seq, reason, finished.text)

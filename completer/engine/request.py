@@ -40,6 +40,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # token and share the prompt's cached K/V (`engine.candidates`).
     n: int = 1
     confidence: Confidence = Confidence()
+    report_probs: bool = False  # Finished.probs: each generated token's text and probability
+
+    @property
+    def wants_probs(self) -> bool:
+        return self.confidence.on or self.report_probs
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +133,8 @@ class Finished(msgspec.Struct, frozen=True):
     text: str
     timings: Timings
     candidates: tuple[str, ...] = ()  # with params.n > 1: the other completions' texts
+    cut: str = ""  # the confidence rule that ended the text ("first", "token", "line"), if one did
+    probs: tuple[tuple[str, float], ...] = ()  # with params.report_probs: (text, probability) per token taken
 
 
 class Failed(msgspec.Struct, frozen=True):

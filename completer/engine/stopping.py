@@ -94,12 +94,13 @@ class OutputText:
 
     def __init__(self, token_bytes: Callable[[int], bytes], mode: str, stop: tuple[str, ...],
                  cursor_line: str = "", suffix: str = "", heal: bytes = b"", next_line: str = "",
-                 confidence: Confidence = Confidence()):
+                 confidence: Confidence = Confidence(), report_probs: bool = False):
         """next_line: the file's first non-blank line below the cursor's
         (`next_nonblank_line`); in `line` and `block` modes a completed line
         equal to it (whitespace stripped) ends the text before that line, as
         llama.vim and Tabby drop suggestions that repeat the code below.
-        confidence: where the text ends because the model is unsure (`unsure`)."""
+        confidence: where the text ends because the model is unsure (`unsure`);
+        report_probs: keep each token's text and probability (`pieces`)."""
         self.token_bytes = token_bytes
         self.heal = heal  # bytes the first tokens must re-spell (token healing); not output
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -119,6 +120,8 @@ class OutputText:
         self.confidence = confidence if mode != "free" else Confidence()
         # Block mode's later lines are sent only once complete and sure (`_holdback`).
         self.hold_lines = mode == "block" and self.confidence.line > 0
+        self.cut = ""  # the rule that ended the text, if one did
+        self.pieces: list[tuple[str, float]] | None = [] if report_probs else None
         self.text = ""
         self.emitted = 0  # chars of `text` already sent
 
@@ -179,11 +182,12 @@ class OutputText:
         if not self.text.strip():
             if prob >= max(c.first, c.token):
                 return False
-            self.text = self.text[: self.emitted]  # (whitespace, all held back: nothing was sent)
+            self.text, self.cut = self.text[: self.emitted], "first"  # (whitespace, all held back: nothing sent)
             return True
         later_line = self.mode == "block" and line_mode_end(self.text) is not None
         if prob >= (c.line if later_line else c.token):
             return False
+        self.cut = "line" if later_line else "token"
         if later_line:  # (the line in progress and the newline before it were held back)
             self.text = self.text[: max(self.text.rfind("\n"), self.emitted)]
         return True
@@ -203,12 +207,16 @@ class OutputText:
             hold = max(hold, len(self.text) - len(self.text.rstrip()))
         return hold
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append a token; returns (text that may be sent now, whether it ended)."""
+    def add(self, token_id: int, prob: float | None = None) -> tuple[str, bool]:
+        """Append a token (`prob`: its probability, kept in `pieces` if they are);
+        returns (text that may be sent now, whether it ended)."""
         new = self.token_bytes(token_id)
         if self.heal:
             self.heal, new = consume(self.heal, new)
-        self.text += self.decoder.decode(new)
+        piece = self.decoder.decode(new)
+        self.text += piece
+        if self.pieces is not None and prob is not None:
+            self.pieces.append((piece, round(prob, 6)))
         end = self._end()
         if end is not None:
             self.text = self.text[:end]

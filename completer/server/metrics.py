@@ -98,6 +98,9 @@ class Metrics:
         self.feedback = Counter("completer_feedback_completions", "Completions with feedback, by outcome "
                                 "(accepted: some kept; dismissed: shown, none kept; unshown: never displayed).",
                                 ["outcome"], registry=r)
+        self.confidence_cuts = Counter("completer_confidence_cuts", "Completions a confidence rule ended, by rule "
+                                       "(first: none shown; token: a line cut; line: a block cut).", ["rule"],
+                                       registry=r)
         self.primes = Counter("completer_cache_primes", "Requests that only primed the cache (max_tokens 0).",
                               registry=r)
         self.warm_requests = Counter("completer_warm_requests", "Warming: windows a document's next jump may "

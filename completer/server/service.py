@@ -307,6 +307,8 @@ class CompletionService:
         door's, where that ended it; else the engine's)."""
         reason, priming = reason or finished.reason, flight.request.params.priming
         self.metrics.observe_done(finished.timings, reason, flight.received, priming=priming, route=flight.route)
+        if finished.cut:
+            self.metrics.confidence_cuts.labels(finished.cut).inc()
         if self.hold is not None and not priming and finished.timings.ttft_ms > 0:  # (admitted: its wait is known)
             self.hold.observe(time.perf_counter(), flight.request.client, finished.timings)
         if self.request_log is not None:

@@ -159,7 +159,7 @@ class Session:
         options = RequestOptions(mode=msg.mode, max_tokens=msg.max_tokens, temperature=msg.temperature,
                                  stop=tuple(msg.stop), deadline_ms=deadline_ms, n=msg.n,
                                  min_first_prob=msg.min_first_prob, min_token_prob=msg.min_token_prob,
-                                 min_line_prob=msg.min_line_prob)
+                                 min_line_prob=msg.min_line_prob, report_probs=msg.probs)
         try:
             found = self.workspace_files.imported(msg.workspace, msg.document)
             context = self.context_store.candidates(msg.document, msg.context, msg.workspace, found)
@@ -202,7 +202,8 @@ class Session:
         # `candidates` only for a client that asked for them (an older one never sees the field).
         self.send(Done(request_id, done.reason, done.text, done.timings,
                        list(done.candidates) if msg.n > 1 else None,
-                       self.service.hold_ms(flight.request.client)))
+                       self.service.hold_ms(flight.request.client), done.cut or None,
+                       [list(p) for p in done.probs] if msg.probs else None))
 
     def remember_offered(self, request_id: str, texts: tuple[str, ...]) -> None:
         self.offered[request_id] = tuple(map(len, texts))
