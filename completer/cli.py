@@ -55,10 +55,15 @@ def cmd_complete(args: argparse.Namespace) -> int:
     from completer.pipeline import LocalCompleter
     from completer.protocol import Document
 
+    import msgspec
+
     config = load_cli_config(args, flag_overrides(args, {
         "model": "model.target", "draft": "model.draft", "precision": "model.precision",
         "template": "model.template", "context_tokens": "model.context_tokens",
         "mode": "request.mode", "max_tokens": "request.max_tokens", "deadline_ms": "request.deadline_ms"}))
+    if not args.confident:  # a person asked for this one: the model's whole line, sure or not
+        config = msgspec.structs.replace(config, request=msgspec.structs.replace(
+            config.request, min_first_prob=0.0, min_token_prob=0.0, min_line_prob=0.0))
     if args.cursor:
         path, line, col = split_cursor(args.cursor)
         prefix, suffix = document_at(path, line, col)
@@ -291,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, help="sets model.context_tokens (prompt + completion)")
     p.add_argument("--deadline-ms", type=float, default=60_000.0,
                    help="sets request.deadline_ms (default 60 s: a one-shot has no keystroke racing it)")
+    p.add_argument("--confident", action="store_true",
+                   help="apply [request]'s confidence rules, as the server does to an editor's requests "
+                        "(default: off, the model's whole completion, as a person asked for it)")
     p.set_defaults(func=cmd_complete)
 
     p = sub.add_parser("serve", help="serve completions over WebSocket (protocol v1)")

@@ -29,8 +29,12 @@ from completer.server.security import default_token_path
 DEFAULT_URL = "ws://127.0.0.1:8750/v1/ws"
 
 
+# A person asked for this one: the model's whole completion, sure or not (`--confident`: the server's rules).
+RULES_OFF = {"min_first_prob": 0.0, "min_token_prob": 0.0, "min_line_prob": 0.0}
+
+
 async def complete(url: str, token: str, path: Path, prefix: str, suffix: str, mode: str,
-                   max_tokens: int | None, deadline_ms: float) -> dict:
+                   max_tokens: int | None, deadline_ms: float, confident: bool = False) -> dict:
     headers = {"Authorization": f"Bearer {token}"}
     async with websockets.connect(url, additional_headers=headers) as ws:
         request = {"type": "complete", "id": "1", "mode": mode, "deadline_ms": deadline_ms,
@@ -38,6 +42,8 @@ async def complete(url: str, token: str, path: Path, prefix: str, suffix: str, m
                                 "prefix": prefix, "suffix": suffix}}
         if max_tokens:
             request["max_tokens"] = max_tokens
+        if not confident:
+            request |= RULES_OFF
         await ws.send(json.dumps(request))
         while True:
             msg = json.loads(await ws.recv())
@@ -86,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--deadline-ms", type=float, default=60_000.0,
                    help="the request's deadline (default 60 s: a one-shot races no keystroke)")
+    p.add_argument("--confident", action="store_true",
+                   help="let the server's confidence rules cut the completion, as an editor's are "
+                        "(default: the model's whole completion)")
     p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for a server that is still loading its models (default 600)")
     return p
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: no token: start `completer serve` first ({default_token_path()})") from None
     try:
         result = complete_when_ready(args.url, token, args.wait, path, prefix, suffix, args.mode, args.max_tokens,
-                                     args.deadline_ms)
+                                     args.deadline_ms, args.confident)
     except (OSError, websockets.exceptions.InvalidStatus) as e:
         detail = loading_message(e) or e
         raise SystemExit(f"error: cannot reach {args.url}: {detail}") from None

@@ -58,17 +58,16 @@ from completer.evaluate import heldout_files
 from completer.model_store import pull
 from latency_bench import llama_peer
 from latency_bench.editors import percentile_ms
-from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.harness import ROOT, RULES_OFF, TOKEN, running_server
 from latency_bench.keystroke_bench import free_port
 from latency_bench.replay import display, prompt_states
 from latency_bench.run_results import machine, now, write_result
 
 # Each row: its server settings (`--set`), on a fresh server. `before_confidence` is the defaults before
 # the confidence rules (issue #44); the others turn one feature off each.
-NO_CONFIDENCE = ("request.min_first_prob=0", "request.min_token_prob=0", "request.min_line_prob=0")
 ROWS: dict[str, tuple[str, ...]] = {
     "defaults": (),
-    "before_confidence": NO_CONFIDENCE,
+    "before_confidence": RULES_OFF,
     "no_line_rule": ("request.min_line_prob=0",),  # blocks as long as the block, however unsure
     "no_healing": ("model.token_healing=false",),
     "no_retrieval": ("model.retrieval=false",),

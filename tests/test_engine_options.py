@@ -5,11 +5,12 @@ next line."""
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 
 from completer.engine.config import EngineConfig
-from completer.engine.request import Finished, Request, SamplingParams
+from completer.engine.request import Confidence, Finished, Request, SamplingParams
 from engine_harness import free_mode, greedy_reference, make_core, prompts, run
 
 STOP_ID = 0  # make_core's end of text
@@ -80,6 +81,22 @@ def test_no_candidates_where_the_engine_cannot_afford_them(models, tokenizer, co
     done = run(core, [Request("a", ps[0], SamplingParams(max_tokens=8, mode="free", n=3)),
                       Request("b", ps[1], free_mode(8))])
     assert done["a"].candidates == () and done["a"].text
+    assert all_returned(core)
+
+
+def test_a_request_unsure_of_its_first_token_ends_with_nothing_and_no_candidates(models, tokenizer):
+    """The confidence rules: below `first` the request ends at once with no text (`cut` "first"), and its
+    candidates, whose first tokens are less likely still, are ended with it, not offered."""
+    prompt = prompts(1, seed=5)[0]
+    with torch.no_grad():
+        first_p = torch.softmax(models[0](torch.tensor([prompt]))[0, -1].float(), -1).max().item()
+    params = SamplingParams(max_tokens=8, mode="block", n=3)
+    plain = run(make_core(models, tokenizer), [Request("a", prompt, params)])["a"]
+    assert plain.text and plain.candidates and not plain.cut  # without the rule: a text and alternatives
+    core = make_core(models, tokenizer)
+    unsure = msgspec.structs.replace(params, confidence=Confidence(first=first_p + 0.01))
+    done = run(core, [Request("a", prompt, unsure)])["a"]
+    assert (done.text, done.candidates, done.reason, done.cut) == ("", (), "stop", "first")
     assert all_returned(core)
 
 

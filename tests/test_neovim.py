@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from latency_bench.nvim_editor import Editor, free_port, keys, metric, nvim_build, nvim_builds, server_on, wait_until
-from latency_bench.harness import ROOT, TOKEN
+from latency_bench.harness import ROOT, RULES_OFF, TOKEN
 
 # Skipped without Neovim on a developer's machine; in CI (CI=true) a missing nvim fails.
 pytestmark = pytest.mark.skipif(shutil.which("nvim") is None and not os.environ.get("CI")
                                 and not os.environ.get("COMPLETER_TEST_NVIM"), reason="nvim is not installed")
 
-SETTINGS = ("engine.threads=1",)
+SETTINGS = ("engine.threads=1", *RULES_OFF)  # (the embedded model: the plugin's behaviour, not the rules)
 CODE = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
 ACCEPTED = "completer_feedback_accepted_chars_total"
 SHOWN = "completer_feedback_shown_chars_total"
@@ -1289,3 +1289,19 @@ def test_generating_while_a_cycle_key_asks_for_candidates(server, editor, tmp_pa
                             None), 15, what="the candidates")
     wait_until(lambda: events(editor) == [True, False], 5, what=f"on and off events: {events(editor)}")
     assert not editor.lua("return require('completer').generating()")
+
+
+def test_a_suggestion_the_user_asks_for_is_sent_without_the_first_token_rule(server, editor, tmp_path):
+    """Typing: the server's confidence rules (a request leaves them out); :CompleterSuggest: the first-token
+    rule off (`min_first_prob` 0), so something shows where the model is unsure from the start."""
+    setup(editor, server, max_tokens=8, debounce_ms=10, trigger="auto")
+    capture(editor)
+    editor.open_python(tmp_path / "u.py", "def f(x):\n    return x\n\n")
+    editor.nvim.current.window.cursor = (3, 0)
+    editor.nvim.input("ix")
+    typed = wait_until(lambda: [m for m in sent(editor) if m.get("max_tokens") != 0
+                                and m["document"]["prefix"].endswith("x")], 10, what="a request as it was typed")
+    assert "min_first_prob" not in typed[-1]
+    editor.nvim.input("<Cmd>CompleterSuggest<CR>")
+    asked = wait_until(lambda: [m for m in sent(editor) if m.get("min_first_prob") == 0], 10, what="an asked request")
+    assert asked[-1]["document"]["prefix"].endswith("x") and "min_token_prob" not in asked[-1]

@@ -9,10 +9,11 @@ import json
 
 import pytest
 
-from latency_bench.harness import collect, collect_all, complete_msg, connect, running_server, scrape
+from latency_bench.harness import RULES_OFF, collect, collect_all, complete_msg, connect, running_server, scrape
 
 # A deadline no test here races on a loaded 2-core machine.
-SETTINGS = ('model.template="prefix"', "server.max_inflight_per_connection=4", "request.deadline_ms=60000")
+SETTINGS = ('model.template="prefix"', "server.max_inflight_per_connection=4", "request.deadline_ms=60000",
+            *RULES_OFF)
 PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        "
 BLOCK_SIZE = 4  # engine.block_size's default
 

@@ -43,7 +43,7 @@ import websockets
 
 import code_server
 from devtools import CHROMIUM, CTRL, DevTools, chromium, wait_for
-from latency_bench.harness import ROOT, TOKEN, running_server
+from latency_bench.harness import ROOT, RULES_OFF, TOKEN, running_server
 
 EXTENSION = ROOT / "editor_clients" / "vscode"
 ARTIFACTS = ROOT / "test-artifacts"
@@ -247,7 +247,7 @@ def vsix(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server() as s:
+    with running_server(*RULES_OFF) as s:  # (the embedded model: the extension's behaviour, not the rules)
         yield s
 
 

@@ -499,7 +499,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._drop(seq)
         self.output.finish(seq, reason)
-        if reason == "cancelled" and seq.candidates is not None:
+        if (reason == "cancelled" or seq.output.cut == "first") and seq.candidates is not None:
             for candidate in list(seq.candidates.running):
                 self._finish(candidate, "cancelled")
 

@@ -106,7 +106,8 @@ class CandidateGroup:
         """The request's `Finished` with the candidates' texts, once it and every candidate ended."""
         if self.first is None or self.running:
             return None
-        if self.first.reason == "cancelled":
+        # Cancelled, or unsure of its very start (the confidence rules: its alternatives are less likely still).
+        if self.first.reason == "cancelled" or self.first.cut == "first":
             return self.first
         unique: list[str] = []
         for _, text in sorted(self.texts.items()):

@@ -40,6 +40,10 @@ export interface CompleteParams {
   n?: number;
   /** The root folder URI of the workspace the document belongs to: the server keeps each one's files apart. */
   workspace?: string;
+  /** The confidence rules (probabilities, 0 to 1; left out: the server's defaults; 0: off). */
+  min_first_prob?: number;
+  min_token_prob?: number;
+  min_line_prob?: number;
 }
 
 export interface Timings {

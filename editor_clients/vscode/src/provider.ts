@@ -195,7 +195,8 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     if (token.isCancellationRequested) {
       return undefined;
     }
-    return this.request(doc, place, document, position, token, asIf);
+    const asked = context.triggerKind === vscode.InlineCompletionTriggerKind.Invoke;
+    return this.request(doc, place, document, position, token, asIf, asked);
   }
 
   /** The fields of a request at `cursor` of `doc` (also what prefetched requests send). */
@@ -225,11 +226,16 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   }
 
   private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
-    token: vscode.CancellationToken, asIf?: AsIfSelected): Promise<vscode.InlineCompletionItem[] | undefined> {
+    token: vscode.CancellationToken, asIf?: AsIfSelected, asked = false,
+  ): Promise<vscode.InlineCompletionItem[] | undefined> {
     const { client, stats, cache, feedback } = this.parts;
     let pending: PendingCompletion;
     try {
-      pending = client.complete(this.params(doc, place.prefix.length));
+      const params = this.params(doc, place.prefix.length);
+      if (asked) {
+        params.min_first_prob = 0; // the user asked (Trigger Inline Suggestion): show something, sure or not
+      }
+      pending = client.complete(params);
     } catch (e) {
       if (e instanceof NotConnectedError) {
         stats.skippedOffline += 1;

@@ -81,6 +81,7 @@ describe('completions from the real server', () => {
     const first = fake.trigger(InlineCompletionTriggerKind.Invoke);
     const request = completes(s).at(-1) as Msg;
     assert.ok(request, 'sent at once (an explicit trigger is not debounced)');
+    assert.equal(request.min_first_prob, 0, 'asked for: shown even where the model is unsure of its first token');
     const typed = fake.type('    x'); // five keystrokes: each cancels the call before it
     assert.equal(await first, undefined, 'a cancelled call shows nothing');
     assert.ok(s.sent.some((m) => m.type === 'cancel' && m.id === request.id), 'cancel sent');
@@ -92,6 +93,7 @@ describe('completions from the real server', () => {
     assert.equal(completes(s).length, 2, 'keystrokes inside the debounce sent nothing; the last one sent one request');
     const last = completes(s)[1];
     assert.equal(last.document?.prefix.endsWith('    x'), true);
+    assert.equal(last.min_first_prob, undefined, 'typing: the server\'s confidence rules');
     const end = await wire(s, last.id as string);
     assert.notEqual(end.done.reason, 'cancelled');
     assert.ok(!s.sent.some((m) => m.type === 'cancel' && m.id === last.id));

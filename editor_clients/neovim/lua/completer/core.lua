@@ -251,7 +251,9 @@ function M.wait_ms(uri)
   return deadline + c.request_timeout_margin_ms
 end
 
-local function send(kind, doc_snap, snap, extra_prefix, n)
+--- `asked`: the user asked for this one (:CompleterSuggest, cycling): the
+--- server shows something even where its first token is unsure.
+local function send(kind, doc_snap, snap, extra_prefix, n, asked)
   local c = S.cfg
   local req = new_request(kind, snap)
   local doc, first, last = text.document(doc_snap.buf, doc_snap.row, doc_snap.col, c.max_lines)
@@ -263,6 +265,7 @@ local function send(kind, doc_snap, snap, extra_prefix, n)
     stop = (c.stop and #c.stop > 0) and c.stop or nil, context = #context > 0 and context or nil,
     workspace = S.definitions.workspace(doc_snap.buf),
     n = (n and n > 1) and n or nil,
+    min_first_prob = asked and 0 or nil,
   }
   req.uri, req.n = doc.uri, msg.n
   if kind == 'prime' then
@@ -288,9 +291,10 @@ end
 M.send = send
 
 --- Send a completion request for where the cursor is now (no debounce);
---- `n` > 1 asks for that many candidates to cycle through.
-function M.request_now(snap, t_key, n)
-  local req = send('complete', snap, snap, nil, n)
+--- `n` > 1 asks for that many candidates to cycle through; `asked`: the user
+--- asked for it.
+function M.request_now(snap, t_key, n, asked)
+  local req = send('complete', snap, snap, nil, n, asked)
   if not req then return end
   S.counts.sent = S.counts.sent + 1
   req.t_key, req.t_trigger = t_key, now()

@@ -105,7 +105,7 @@ function M.cycle(dir)
     core.dismiss()
     S.timer:stop()
     S.pending_key = nil
-    local r = core.request_now(snap, core.now(), n)
+    local r = core.request_now(snap, core.now(), n, true)
     if r and n > 1 then r.cycle = { at = 0, orig_text = '', dir = dir } end
     return
   end

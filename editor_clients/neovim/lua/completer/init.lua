@@ -46,7 +46,7 @@ function M.complete()
   core.dismiss()
   S.timer:stop() -- the debounce would ask again for the same place
   S.pending_key = nil
-  core.request_now(snap, uv.hrtime())
+  core.request_now(snap, uv.hrtime(), nil, true)
 end
 
 M.suggest = M.complete
