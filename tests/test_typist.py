@@ -12,8 +12,8 @@ import asyncio
 
 from completer.evaluate import heldout_files
 from latency_bench.harness import running_server
-from latency_bench.typist import (MIN_LINE, action, mode_at, next_word, run_policy, sites, summarize, to_line_end,
-                                  typing_keys)
+from latency_bench.typist import MIN_LINE, action, next_word, run_policy, sites, summarize, to_line_end, typing_keys
+from latency_bench.typist_clients import mode_at
 
 
 def test_the_typist_takes_a_suggestion_only_where_it_is_right():
