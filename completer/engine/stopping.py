@@ -121,6 +121,7 @@ class OutputText:
         # Block mode's later lines are sent only once complete and sure (`_holdback`).
         self.hold_lines = mode == "block" and self.confidence.line > 0
         self.cut = ""  # the rule that ended the text, if one did
+        self.past_first = False  # (`_past_first_line`)
         self.pieces: list[tuple[str, float]] | None = [] if report_probs else None
         self.text = ""
         self.emitted = 0  # chars of `text` already sent
@@ -170,6 +171,11 @@ class OutputText:
         line = self.text[start:] if start else self.cursor_line + self.text
         return len(self.text) - max(0, start - 1) if self.next_line.startswith(line.strip()) else 0
 
+    def _past_first_line(self) -> bool:
+        """Whether the text has gone past its first line (found once: the text only grows until it ends)."""
+        self.past_first = self.past_first or line_mode_end(self.text) is not None
+        return self.past_first
+
     def unsure(self, prob: float) -> bool:
         """Whether the text ends before a token the model gives `prob`, by the
         confidence rules; if so, `text` is cut to what stays. Up to the first
@@ -184,7 +190,7 @@ class OutputText:
                 return False
             self.text, self.cut = self.text[: self.emitted], "first"  # (whitespace, all held back: nothing sent)
             return True
-        later_line = self.mode == "block" and line_mode_end(self.text) is not None
+        later_line = self.mode == "block" and self._past_first_line()
         if prob >= (c.line if later_line else c.token):
             return False
         self.cut = "line" if later_line else "token"
@@ -195,7 +201,7 @@ class OutputText:
     def _holdback(self) -> int:
         """Chars at the end that might yet be trimmed."""
         hold = overlap_with_suffix(self.text, self.suffix_line) if self.suffix_line else 0
-        if self.hold_lines and line_mode_end(self.text) is not None:  # a later line, until it is complete
+        if self.hold_lines and self._past_first_line():  # a later line, until it is complete
             hold = max(hold, len(self.text) - self.text.rfind("\n"))
         if self.next_line:
             hold = max(hold, self._next_line_holdback())
