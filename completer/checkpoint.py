@@ -14,13 +14,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from completer import architectures
 from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
 from completer.gguf_checkpoint import GgufFile, open_gguf
-from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
+from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(architectures.FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # FP8 checkpoints store e4m3 `x.weight` with `x.weight_scale` (or DeepSeek-style
 # `x.weight_scale_inv`); static `x.input_scale`s are dropped: we scale per token.
@@ -37,26 +38,33 @@ def _read_json(path: Path) -> dict:
 
 
 def parse_config(path: Path) -> ModelConfig:
+    return parse_config_and_rewrite(path)[0]
+
+
+def parse_config_and_rewrite(path: Path) -> tuple[ModelConfig, architectures.Rewrite]:
+    """The model a config.json describes, and how its weights differ from ours."""
     raw = _read_json(path)
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if raw.get("use_sliding_window"):
-        raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    family = architectures.family_of(arch)
+    why = architectures.hf_unsupported(family, raw)
+    if why:
+        raise CheckpointError(f"{path}: {why}")
     try:
         heads = raw["num_attention_heads"]
-        # transformers < 5 writes rope_theta + rope_scaling; 5 writes rope_parameters.
-        scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = architectures.hf_rope(family, raw)
+        theta = scaling["rope_theta"]
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ("default", "linear", "llama3", "yarn"):
             raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
-        fields = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
-        rope = RopeScaling(**{**fields, "rope_type": kind}) if kind != "default" else None
+        rope_fields = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
+        rope = RopeScaling(**{**rope_fields, "rope_type": kind}) if kind != "default" else None
         is_qwen = arch == "Qwen2ForCausalLM"
-        return ModelConfig(
+        family_fields, rewrite = architectures.hf_fields(family, raw)
+        fields = dict(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -69,7 +77,7 @@ def parse_config(path: Path) -> ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=rope,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", family in architectures.TIED_BY_DEFAULT),
             qkv_bias=True if is_qwen else raw.get("attention_bias", False),
             o_bias=False if is_qwen else raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
@@ -78,8 +86,13 @@ def parse_config(path: Path) -> ModelConfig:
             head_vocab_size=raw.get("head_vocab_size", 0),
             embedding_from_target=raw.get("embedding_from_target", False),
         )
+        return ModelConfig(**{**fields, **family_fields}), rewrite
     except KeyError as e:
         raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
+    except CheckpointError:
+        raise
+    except ValueError as e:  # an activation, a rope type the family's fields name
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -146,8 +159,12 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
         return _load_gguf(open_gguf(path), precision, device, fuse)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
-    cfg = parse_config(path / "config.json")
+    cfg, rewrite = parse_config_and_rewrite(path / "config.json")
     state, scales = _read_safetensors(path, cfg)
+    try:
+        architectures.rewrite_state(state, rewrite, cfg.qk_norm)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     if cfg.embedding_from_target:
         embedding = None if target is None else target.model.embed_tokens.weight
         if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -161,9 +178,10 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
 
 
 def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Transformer:
-    cfg = gguf.config()
+    cfg, rewrite = gguf.config_and_rewrite()
     state = gguf.state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
+    architectures.rewrite_state(state, rewrite, cfg.qk_norm)
     model = _build(cfg, state, {}, precision, device, gguf.path, fuse)
     factors = gguf.rope_freq_factors()
     if factors is not None:
@@ -192,15 +210,17 @@ def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor
 def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
     """The weights (and FP8 scales) of a checkpoint directory, checked against `cfg`."""
     expected = _expected_shapes(cfg)
+    family = architectures.family_of(cfg.architecture)
     state: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for f in weight_files(directory):
         try:
             with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
+                for stored in handle.keys():
+                    name = architectures.hf_rename(family, stored)
                     base = name.rsplit(".", 1)[0] + ".weight"
                     if name.endswith(FP8_SCALE_SUFFIXES) and base in expected:
-                        scales[name] = handle.get_tensor(name)
+                        scales[name] = handle.get_tensor(stored)
                         continue
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -208,7 +228,7 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
                         if name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise CheckpointError(f"{f}: unexpected tensor {name!r}")
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_tensor(stored)
                     _check_shapes(expected, {name: tensor}, f)
                     state[name] = tensor
         except CheckpointError:
@@ -239,7 +259,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inverse_frequencies(cfg).to(device)  # buffer was on meta
+    model.reset_rope(device)  # the buffers were on meta
     model = model.to(dtype).eval()
     if fp8_weights or precision == "fp8":
         try:

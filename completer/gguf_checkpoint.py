@@ -4,9 +4,10 @@ The config comes from the file's metadata, the tensors from ggml-org's `gguf`
 reader (dequantized to fp32, then cast to the serving precision), the tokenizer
 from the vocabulary, merges and token types stored in the file. Two things
 differ from an HF checkpoint: llama.cpp's converter permutes the rows of Q and
-K of `llama` models (its RoPE rotates adjacent pairs, HF's rotates halves), and
-llama3-style RoPE scaling is stored as a `rope_freqs` tensor. Every problem is
-a `CheckpointError` whose one-line message names the file and the cause.
+K of `llama` and `granite` models (its RoPE rotates adjacent pairs, HF's
+rotates halves), and llama3-style RoPE scaling is stored as a `rope_freqs`
+tensor. What differs between families is completer/architectures.py's. Every
+problem is a `CheckpointError` whose one-line message names the file and the cause.
 """
 
 from __future__ import annotations
@@ -19,19 +20,11 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from completer import architectures
 from completer.model import CheckpointError, ModelConfig, RopeScaling
 from completer.tokenizer import BYTE_ENCODER, TextTokenizer
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# llama.cpp's tensor names, per layer and global, to HF's.
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ARCHITECTURES = architectures.HF_CLASSES  # llama.cpp's `general.architecture` -> HF's class
 
 # How each `tokenizer.ggml.pre` splits text before BPE (byte-level vocabularies).
 # StarCoder-family vocabularies (SmolLM's among them) were trained on single digits.
@@ -104,10 +97,16 @@ class GgufFile:
         return arch
 
     def config(self) -> ModelConfig:
+        return self.config_and_rewrite()[0]
+
+    def config_and_rewrite(self) -> tuple[ModelConfig, architectures.Rewrite]:
+        """The model the metadata describes, and how the stored weights differ from ours."""
         arch = self.architecture
         key = lambda name: f"{arch}.{name}"  # noqa: E731
         heads = self.require(key("attention.head_count"))
         hidden = self.require(key("embedding_length"))
+        head_dim = self.get(key("attention.key_length")) or hidden // heads
+        layers = self.require(key("block_count"))
         if "token_embd.weight" not in self.tensors:
             raise _error(self.path, "tensor 'token_embd.weight' missing")
         kind = self.get(key("rope.scaling.type"), "none")
@@ -116,15 +115,17 @@ class GgufFile:
         rope = None if kind == "none" else RopeScaling(
             rope_type=kind, factor=self.get(key("rope.scaling.factor"), 1.0),
             original_max_position_embeddings=self.get(key("rope.scaling.original_context_length")))
-        return ModelConfig(
+        family_fields, rewrite = architectures.gguf_fields(
+            arch, lambda name, default: self.get(key(name), default), hidden, head_dim, layers)
+        fields = dict(
             architecture=ARCHITECTURES[arch],
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),  # ggml order: [width, rows]
             hidden_size=hidden,
             intermediate_size=self.require(key("feed_forward_length")),
-            num_hidden_layers=self.require(key("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=self.get(key("attention.head_count_kv")) or heads,
-            head_dim=self.get(key("attention.key_length")) or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=self.get(key("context_length"), 2048),
             rms_norm_eps=self.get(key("attention.layer_norm_rms_epsilon"), 1e-6),
             rope_theta=self.get(key("rope.freq_base"), 10000.0),
@@ -136,6 +137,7 @@ class GgufFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
         )
+        return ModelConfig(**{**fields, **family_fields}), rewrite
 
     def layer_weights_type(self) -> str | None:
         """The type most of the layers' matrices are stored in ("Q4_1", "F32", ...)."""
@@ -158,7 +160,9 @@ class GgufFile:
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
 
     def state_dict(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """HF-named tensors; Q/K rows of `llama` files back in HF's rotate-half order."""
+        """HF-named tensors; Q/K rows of `llama` / `granite` files back in HF's rotate-half order."""
+        family = architectures.family_of(cfg.architecture)
+        layer_tensors = architectures.gguf_layer_tensors(family)
         permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
         state = {}
         for name in self.tensors:
@@ -166,15 +170,15 @@ class GgufFile:
                 continue
             base, _, suffix = name.rpartition(".")
             parts = base.split(".")
-            if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-                module = LAYER_TENSORS[parts[2]]
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+                module = layer_tensors[parts[2]]
                 hf = f"model.layers.{parts[1]}.{module}.{suffix}"
-            elif base in GLOBAL_TENSORS:
-                module, hf = None, f"{GLOBAL_TENSORS[base]}.{suffix}"
+            elif base in architectures.GGUF_GLOBAL_TENSORS:
+                module, hf = None, f"{architectures.GGUF_GLOBAL_TENSORS[base]}.{suffix}"
             else:
                 raise _error(self.path, f"unexpected tensor {name!r}")
             tensor = self.tensor(name)
-            if cfg.architecture == "LlamaForCausalLM" and module in permuted:
+            if family in architectures.PERMUTED_QK and module in permuted:
                 tensor = unpermute_rows(tensor, permuted[module])
             state[hf] = tensor
         return state

@@ -46,10 +46,12 @@ def detect_template(tokenizer: TextTokenizer) -> str:
     prefix alone, no markers) when it has none."""
     if tokenizer.token_id("<|repo_name|>") is not None:
         return "qwen2.5-coder"
+    if tokenizer.token_id("<｜fim▁begin｜>") is not None:
+        return "deepseek-coder"
     if tokenizer.token_id("<|fim_prefix|>") is not None:
-        return "default"
+        return "codegemma" if tokenizer.token_id("<|file_separator|>") is not None else "default"
     if tokenizer.token_id("<fim_prefix>") is not None:
-        return "starcoder"
+        return "starcoder"  # StarCoder 1/2, Granite Code, SmolLM
     if marker_id(tokenizer, "<PRE>") is not None:
         return "codellama"
     return "prefix"

@@ -95,6 +95,16 @@ TEMPLATES: dict[str, FimTemplate] = {
     "codellama": FimTemplate(
         name="codellama", prefix="<PRE>", suffix="<SUF>", middle="<MID>",
         stop_tokens=("<EOT>", "</s>"), order="psm", marker_space=True),
+    # CodeGemma: PSM, files separated by <|file_separator|> (its documented stop).
+    "codegemma": FimTemplate(
+        name="codegemma", prefix="<|fim_prefix|>", suffix="<|fim_suffix|>", middle="<|fim_middle|>",
+        file_sep="<|file_separator|>", order="psm",
+        stop_tokens=("<|file_separator|>", "<eos>", "<end_of_turn>", "<|fim_prefix|>", "<|fim_suffix|>",
+                     "<|fim_middle|>")),
+    # DeepSeek-Coder: "<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>" (PSM).
+    "deepseek-coder": FimTemplate(
+        name="deepseek-coder", prefix="<｜fim▁begin｜>", suffix="<｜fim▁hole｜>", middle="<｜fim▁end｜>",
+        order="psm", stop_tokens=("<｜end▁of▁sentence｜>", "<|EOT|>")),
     # Models without FIM tokens (SmolLM2, most base models): the prefix alone.
     # Stops: the end-of-text tokens of common vocabularies, where present.
     "prefix": FimTemplate(

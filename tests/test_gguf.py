@@ -117,7 +117,7 @@ def one_line(excinfo, path) -> str:
 
 
 @pytest.mark.parametrize("written, cause", [
-    (dict(qtype=Q.F16, gguf_arch="gemma2"), "unsupported architecture 'gemma2'"),
+    (dict(qtype=Q.F16, gguf_arch="mamba"), "unsupported architecture 'mamba'"),
     (dict(qtype=Q.Q8_1), "is Q8_1, which the gguf reader cannot dequantize"),
     (dict(qtype=Q.F16, tokenizer_model="llama"), "tokenizer model 'llama' is not supported"),
 ], ids=["architecture", "quantization", "tokenizer"])

@@ -52,6 +52,13 @@ class FusedCpuLayers:
             raise FusedUnsupported("the fused layer runs on CPU only")
         if not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):  # (before building it)
             raise FusedUnsupported("the fused layer takes int4 or int8 projections, not a float model")
+        missing = [what for what, used in (
+            ("LayerNorm", cfg.norm != "rms"), ("an MLP without a gate", cfg.mlp != "gated"),
+            (f"the {cfg.activation} activation", cfg.activation != "silu"), ("q/k norms", cfg.qk_norm),
+            ("sandwich norms", cfg.sandwich_norms), ("soft-capped attention", cfg.attn_softcap),
+            ("sliding-window attention", cfg.sliding_window)) if used]
+        if missing:
+            raise FusedUnsupported(f"the fused layer has no {', '.join(missing)} ({cfg.architecture})")
         ext = extension()  # FusedUnavailable: no compiler here
         self.model = model
         self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -122,12 +129,14 @@ class FusedCpuLayers:
         at meta.positions; None before each layer, then [B, T, d], final norm applied."""
         model = self.model
         B, T = tokens.shape
-        x = model.model.embed_tokens(tokens.flatten()).float().contiguous()
-        cos, sin = (c.view(B * T, -1).contiguous() for c in model.rope(meta.positions))
+        x = model.embed(tokens).float().contiguous()
+        ropes = {local: tuple(c.view(B * T, -1).contiguous() for c in rope)
+                 for local, rope in model.ropes(meta.positions).items()}
         for layer in range(len(model.model.layers)):
             yield None
             if interrupted is not None and interrupted():
                 raise PassInterrupted
+            cos, sin = ropes[model.model.layers[layer].self_attn.local_rope]
             self.impl.forward(layer, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, T,
                               pool.k[layer], pool.v[layer], pool.block_size)
             if layer_written is not None:
