@@ -75,6 +75,11 @@ class FimTemplate(msgspec.Struct, frozen=True):
     marker_space: bool = False
 
 
+# The end-of-text tokens of common vocabularies (where present): StarCoder's
+# and Qwen's, Llama 2 / 3's, Gemma's.
+PREFIX_STOPS = ("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>",
+                "<end_of_turn>")
+
 TEMPLATES: dict[str, FimTemplate] = {
     # Our default models: trained in SPM order (see the class docstring), with
     # file separators for context snippets.
@@ -109,13 +114,13 @@ TEMPLATES: dict[str, FimTemplate] = {
     # Stops: the end-of-text tokens of common vocabularies, where present.
     "prefix": FimTemplate(
         name="prefix", prefix="", suffix="", middle="", order="prefix",
-        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+        stop_tokens=PREFIX_STOPS),
     # The same, for vocabularies with StarCoder's <file_sep> (SmolLM2's): each
     # context snippet and the document itself introduced as a file of the
     # repository, as The Stack's repository-level training documents are.
     "prefix-files": FimTemplate(
         name="prefix-files", prefix="", suffix="", middle="", order="prefix", file_sep="<file_sep>",
-        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+        stop_tokens=PREFIX_STOPS),
 }
 
 
