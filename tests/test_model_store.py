@@ -181,7 +181,7 @@ def test_serve_and_models_pull_refuse_a_damaged_named_model_in_one_line(offline,
            "COMPLETER_CACHE": str(offline / "cache")}
     named = [] if model is DEFAULT_TARGET else [model.setting]
     serve = ["serve", "--port", "0", "--token", "t" * 20]
-    for args in (["models", "pull", *named], serve if not named else [*serve, "--set", f"model.target={model.setting}"]):
+    for args in (["models", "pull", *named], [*serve, *(["--set", f"model.target={model.setting}"] if named else [])]):
         path.write_bytes(b"GGUF" + b"\0" * 1000)  # truncated (the damaged file goes when found)
         done = subprocess.run([sys.executable, "-m", "completer.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
