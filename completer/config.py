@@ -24,7 +24,7 @@ from completer.engine.request import Mode
 
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    target: str = "default"  # "default" (SmolLM2-135M, fetched once), "embedded", a GGUF file or an HF directory
+    target: str = "default"  # a named model fetched once ("default": SmolLM2-135M; "gemma3-270m"), "embedded", a path
     draft: str = "default"  # "default" (the drafter made for the target, if any), "embedded", a path, "" for none
     # auto: bf16 where native, else fp32; int8 / int4: CPU quantized weights (completer/cpu_quant.py)
     precision: Literal["auto", "fp32", "bf16", "fp8", "int8", "int4"] = "auto"

@@ -2,7 +2,7 @@
 
 The config comes from the file's metadata, the tensors from ggml-org's `gguf`
 reader (dequantized to fp32, then cast to the serving precision), the tokenizer
-from the vocabulary, merges and token types stored in the file. Two things
+from the vocabulary stored in the file (`gguf_tokenizer`). Two things
 differ from an HF checkpoint: llama.cpp's converter permutes the rows of Q and
 K of `llama` and `granite` models (its RoPE rotates adjacent pairs, HF's
 rotates halves), and llama3-style RoPE scaling is stored as a `rope_freqs`
@@ -18,25 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from completer import architectures
 from completer.model import CheckpointError, ModelConfig, RopeScaling
-from completer.tokenizer import BYTE_ENCODER, TextTokenizer
+from completer.tokenizer import TextTokenizer
 
 ARCHITECTURES = architectures.HF_CLASSES  # llama.cpp's `general.architecture` -> HF's class
-
-# How each `tokenizer.ggml.pre` splits text before BPE (byte-level vocabularies).
-# StarCoder-family vocabularies (SmolLM's among them) were trained on single digits.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-REGEX_SPLITS = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-                "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
-SINGLE_DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
-
 
 def _error(path: Path, cause: str) -> CheckpointError:
     return CheckpointError(f"{path}: {cause}")
@@ -59,17 +46,36 @@ def _opened(path: Path, mtime_ns: int, size: int) -> "GgufFile":
     return GgufFile(path)
 
 
+@functools.cache
+def _reader_class() -> type:
+    """gguf's reader, over a plain array view of its memory map: it takes a
+    view per value it parses, and numpy's memmap subclass costs Python calls
+    on each, 5x the parse (Gemma 3's 262,144-token vocabulary: ~24 s, ~4.5 s
+    this way; SmolLM2's 49,152: ~4 s, ~0.9 s). The map stays open through
+    the view's base; tensors' data are views of it as before."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._data = mapped.view(np.ndarray)
+
+    return Reader
+
+
 class GgufFile:
     """An opened GGUF: metadata by key, tensors by name (memory-mapped)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise _error(self.path, "file not found")
         try:
-            self.reader = GGUFReader(self.path)
+            self.reader = _reader_class()(self.path)
         except Exception as e:  # the reader raises ValueError, IndexError, struct errors
             raise _error(self.path, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
         size = os.path.getsize(self.path)
@@ -188,52 +194,16 @@ class GgufFile:
         return self.tensor("rope_freqs.weight") if "rope_freqs.weight" in self.tensors else None
 
     def tokenizer(self) -> TextTokenizer:
-        model = self.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise _error(self.path, f"tokenizer model {model!r} is not supported (supported: 'gpt2', byte-level BPE)")
-        tokens = self.require("tokenizer.ggml.tokens")
-        types = self.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = self.get("tokenizer.ggml.merges") or []
-        return TextTokenizer(byte_level_bpe(tokens, types, merges, self.get("tokenizer.ggml.pre", "default"),
-                                            self.get("tokenizer.ggml.bos_token_id")
-                                            if self.get("tokenizer.ggml.add_bos_token", False) else None),
-                             self.path)
+        """The tokenizer its vocabulary describes (`gguf_tokenizer`)."""
+        from completer.gguf_tokenizer import UnsupportedTokenizer, from_metadata
+
+        try:
+            return TextTokenizer(from_metadata(self.get), self.path)
+        except UnsupportedTokenizer as e:
+            raise _error(self.path, str(e)) from None
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of the rotary dimensions of Q or K
     (rows [h, 2, d/2] were stored as [h, d/2, 2])."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
-                   bos_id: int | None) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from a GGUF's vocabulary.
-    Control tokens become special added tokens and user-defined ones plain
-    added tokens (both matched whole), as transformers' GGUF converter does."""
-    alphabet = set(BYTE_ENCODER.values())
-    vocab = {}
-    for i, token in enumerate(tokens):  # tokens outside the byte alphabet are spelled byte by byte
-        spelled = token if set(token) <= alphabet else "".join(BYTE_ENCODER[b] for b in token.encode())
-        vocab.setdefault(spelled, i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in REGEX_SPLITS)
-    if pre in REGEX_SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(REGEX_SPLITS[pre]), behavior="isolated"), byte_level])
-    elif pre in SINGLE_DIGIT_PRES:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    return tok
-
