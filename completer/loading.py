@@ -11,6 +11,7 @@ import torch
 from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
 from completer.cpu_quant import bound_kernel_caches, keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
+from completer.gguf_checkpoint import forget_opened
 from completer.model import Transformer
 from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
 from completer.prompt import FimTemplate, PromptBuilder, get_template, marker_id
@@ -88,6 +89,7 @@ def load_models(target: str | Path = "default", draft: str | Path = "default", p
     for model in (loaded, drafter):
         if model is not None and model.precision == "int4":
             keep_dense_int4(model.model, int4_dense_rows)
+    forget_opened()
     return loaded, drafter
 
 
