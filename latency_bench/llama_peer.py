@@ -249,6 +249,8 @@ def server_command(binary: Path, gguf: Path, *, port: int, threads: int, paralle
 # (seen: Q8_0 and Q4_1 on a Xeon with AMX, where the BF16 file starts fine)
 # and that therefore run with --no-repack: a benchmark reports it.
 STARTED_WITHOUT_REPACK: set[Path] = set()
+# The process id of the llama-server running at each URL `llama_server` yields (its memory: real_sizes.py).
+PIDS: dict[str, int] = {}
 
 
 @contextlib.contextmanager
@@ -276,8 +278,10 @@ def llama_server(gguf: Path, *, port: int, threads: int, parallel: int, ctx_per_
             proc = _start(server_command(binary, gguf, port=port, threads=threads, parallel=parallel,
                                          ctx_per_slot=ctx_per_slot, extra=extra), log)
             _wait_healthy(proc, url, log, timeout)
+        PIDS[url] = proc.pid
         yield url
     finally:
+        PIDS.pop(url, None)
         proc.terminate()
         try:
             proc.wait(10)
