@@ -41,6 +41,9 @@ the same token ids (pip's sources, the default model's tokenizer),
   kv_heads x head_dim x bytes: completer's pool is fp32 by default, llama.cpp's
   cache f16), each K/V pool as allocated, and completer's own estimate (what
   its start checks against `model.max_memory_gb`).
+- streamed: the bytes a decode step reads (llama.cpp: the file's matrices;
+  completer: the fused layer's blocks and the int8 head); load s: completer's
+  load (dequantize, requantize, pack), llama.cpp maps the file.
 - fused: whether completer's fused C++ CPU layer runs the model (else why not).
 - speculation (`--spec-target 3b --spec-draft 0.5b`, int4): the engine's
   calibrated pass costs (a target pass of k+1 tokens over a 1-token one, a
@@ -264,7 +267,7 @@ async def completer_worker(job: Job, inputs: Inputs) -> dict:
     from completer.engine.core import EngineCore
     from completer.engine.engine import Engine, run_in_passing_thread
     from completer.loading import load_models
-    from completer.memory import PROCESS_BYTES, model_bytes
+    from completer.memory import PROCESS_BYTES, model_bytes, projection_weights
     from latency_bench.cpu_decode_bench import weight_bytes
 
     refusals: list[str] = []  # the fused layer's, as the engine logs them
@@ -285,13 +288,18 @@ async def completer_worker(job: Job, inputs: Inputs) -> dict:
     engine = run_in_passing_thread(lambda: Engine(EngineCore.build(target.model, draft.model if draft else None,
                                                                    target.tokenizer, [], config, spec)))
     engine.start()  # the fused layer, calibration (with a drafter)
-    fused = target.model.__dict__.get("fused_cpu_layers", {})
+    fused = any(v is not None for v in target.model.__dict__.get("fused_cpu_layers", {}).values())
     weights = sum(model_bytes(x.model.config, x.precision, m.int4_dense_rows, True) for x in (target, draft) if x)
+    cfg = target.model.config
+    # What a decode step reads: through the fused layer its Q4_1 blocks (20 bytes a group of 32) or int8 tiles
+    # and the int8 head; through torch's ops every buffer of the projections and head.
+    streamed = projection_weights(cfg) * (0.625 if target.precision == "int4" else 1) + \
+        (cfg.head_vocab_size or cfg.vocab_size) * cfg.hidden_size if fused else weight_bytes(target.model)
     row = {"load_s": load_s, "memory": memory_of(), "kv_pool_mb": config.kv_cache_mb,
            # What the start checks against model.max_memory_gb: the weights, the K/V pool, the process.
            "estimate_mb": (weights + config.kv_cache_mb * 2**20 + PROCESS_BYTES) / 2**20,
            "estimate_weights_mb": weights / 2**20,
-           "weight_bytes": weight_bytes(target.model), "fused": any(v is not None for v in fused.values()),
+           "weight_bytes": streamed, "fused": fused,
            "fused_refusals": refusals}
     try:
         if draft is not None:
