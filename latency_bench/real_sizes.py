@@ -4,7 +4,7 @@ on the same GGUF files, one run.
 
     python -m latency_bench llama-peer build   # once: llama-server and llama-quantize (cached)
     python -m latency_bench real-sizes         # the files (once, cached), then the table -> docs/results/real_sizes.{json,md}
-    python -m latency_bench real-sizes --shapes tiny --reps 1 --cases 2 --out /tmp/r.json   # the smoke run
+    python -m latency_bench real-sizes --shapes tiny --reps 1 --cases 2 --spec tiny:tiny --out /tmp/r.json  # smoke
 
 A pass's time does not depend on the weights' values, so random weights at a
 model's real shapes measure its speed (never its quality, nor speculation's
@@ -45,10 +45,11 @@ the same token ids (pip's sources, the default model's tokenizer),
   completer: the fused layer's blocks and the int8 head); load s: completer's
   load (dequantize, requantize, pack), llama.cpp maps the file.
 - fused: whether completer's fused C++ CPU layer runs the model (else why not).
-- speculation (`--spec-target 3b --spec-draft 0.5b`, int4): the engine's
+- speculation (`--spec 3b:0.5b`, int4, a worker of its own): the engine's
   calibrated pass costs (a target pass of k+1 tokens over a 1-token one, a
   drafter step), and the per-token acceptance at which drafting k tokens
-  breaks even in its cost model (engine/spec_policy.py).
+  breaks even in its cost model (engine/spec_policy.py). Random weights
+  cannot measure acceptance itself.
 
 One file past 300 lines: the files, both servers' rows and the table are one
 benchmark whose rows share one run.
