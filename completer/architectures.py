@@ -16,7 +16,9 @@ checkpoint's weights to the form `completer.model` computes with:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -180,22 +182,23 @@ def gguf_fields(family: str, get, hidden: int, head_dim: int, layers: int) -> tu
 
 # --- the rewrite --------------------------------------------------------------
 
+def tensor_rewrite(name: str, rewrite: Rewrite, qk_norm: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What turns checkpoint tensor `name` (our name) into our model's, or None: as it is."""
+    steps = []
+    if rewrite.norm_offset and name.endswith("norm.weight"):
+        steps.append(lambda t: t.float() + rewrite.norm_offset)
+    if rewrite.q_scale != 1.0 and name.endswith("self_attn.q_norm.weight" if qk_norm else
+                                                ("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        steps.append(functools.partial(_scaled, name, factor=rewrite.q_scale))
+    if rewrite.residual_scale != 1.0 and name.endswith(("o_proj.weight", "o_proj.bias",
+                                                        "down_proj.weight", "down_proj.bias")):
+        steps.append(functools.partial(_scaled, name, factor=rewrite.residual_scale))
+    if not steps:
+        return None
+    return functools.reduce(lambda f, g: lambda t: g(f(t)), steps)
+
+
 @torch.no_grad()
-def rewrite_state(state: dict[str, torch.Tensor], rewrite: Rewrite, qk_norm: bool) -> None:
-    """Bring `state` (our names, float tensors) to our model's form, in place."""
-    if rewrite == Rewrite():
-        return
-    for name in list(state):
-        if rewrite.norm_offset and name.endswith("norm.weight"):
-            state[name] = state[name].float() + rewrite.norm_offset
-        if rewrite.q_scale != 1.0 and name.endswith("self_attn.q_norm.weight" if qk_norm else
-                                                    ("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            state[name] = _scaled(name, state[name], rewrite.q_scale)
-        if rewrite.residual_scale != 1.0 and name.endswith(("o_proj.weight", "o_proj.bias",
-                                                            "down_proj.weight", "down_proj.bias")):
-            state[name] = _scaled(name, state[name], rewrite.residual_scale)
-
-
 def _scaled(name: str, t: torch.Tensor, factor: float) -> torch.Tensor:
     if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
         raise ValueError(f"tensor {name!r} ({t.dtype}) cannot take this family's constant factor")

@@ -7,6 +7,7 @@ as a `CheckpointError` whose one-line message names the file and the cause.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from completer import architectures
 from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
-from completer.gguf_checkpoint import GgufFile, open_gguf
+from completer.gguf_checkpoint import GgufFile, LazyTensor, open_gguf
 from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
@@ -161,10 +162,7 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
         raise CheckpointError(f"{path}: model directory not found")
     cfg, rewrite = parse_config_and_rewrite(path / "config.json")
     state, scales = _read_safetensors(path, cfg)
-    try:
-        architectures.rewrite_state(state, rewrite, cfg.qk_norm)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    _rewrite(state, rewrite, cfg.qk_norm, path)
     if cfg.embedding_from_target:
         embedding = None if target is None else target.model.embed_tokens.weight
         if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -179,14 +177,30 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
 
 def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Transformer:
     cfg, rewrite = gguf.config_and_rewrite()
-    state = gguf.state_dict(cfg)
+    state = gguf.lazy_state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
-    architectures.rewrite_state(state, rewrite, cfg.qk_norm)
+    _rewrite(state, rewrite, cfg.qk_norm, gguf.path)
     model = _build(cfg, state, {}, precision, device, gguf.path, fuse)
     factors = gguf.rope_freq_factors()
     if factors is not None:
         model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
     return model
+
+
+def _rewrite(state: dict[str, torch.Tensor | LazyTensor], rewrite: architectures.Rewrite, qk_norm: bool,
+             source: Path) -> None:
+    """The family's rewrite of the weights (architectures.py), as each is read."""
+    for name, tensor in state.items():
+        step = architectures.tensor_rewrite(name, rewrite, qk_norm)
+        if step is None:
+            continue
+        if isinstance(tensor, LazyTensor):
+            state[name] = LazyTensor(tensor.shape, lambda read=tensor.read, step=step: step(read()))
+            continue
+        try:
+            state[name] = step(tensor)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -198,7 +212,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     return expected
 
 
-def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor], source: Path) -> None:
+def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor | LazyTensor], source: Path) -> None:
     for name, tensor in state.items():
         if name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {name!r}")
@@ -208,7 +222,9 @@ def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor
 
 
 def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
-    """The weights (and FP8 scales) of a checkpoint directory, checked against `cfg`."""
+    """The weights (and FP8 scales) of a checkpoint directory, checked against
+    `cfg`: FP8 tensors and scales read, the others `LazyTensor`s (read as
+    `_build` builds their layer)."""
     expected = _expected_shapes(cfg)
     family = architectures.family_of(cfg.architecture)
     state: dict[str, torch.Tensor] = {}
@@ -228,7 +244,11 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
                         if name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise CheckpointError(f"{f}: unexpected tensor {name!r}")
-                    tensor = handle.get_tensor(stored)
+                    piece = handle.get_slice(stored)
+                    if piece.get_dtype().startswith("F8"):
+                        tensor = handle.get_tensor(stored)
+                    else:
+                        tensor = LazyTensor(tuple(piece.get_shape()), functools.partial(_safetensor, f, stored))
                     _check_shapes(expected, {name: tensor}, f)
                     state[name] = tensor
         except CheckpointError:
@@ -238,8 +258,26 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
     return state, scales
 
 
-def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+def _safetensor(path: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
+
+def _read(tensor: torch.Tensor | LazyTensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """The tensor on `device`, a float one cast to `dtype` (None: as stored)."""
+    tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+    return tensor.to(device=device, dtype=dtype) if dtype and tensor.is_floating_point() else tensor.to(device)
+
+
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales: dict[str, torch.Tensor],
            precision: str, device, source: Path, fuse: bool = False) -> Transformer:
+    """The model from its tensors, a layer at a time (each read, cast, fused
+    and quantized before the next is read: loading holds the served weights
+    and one layer's fp32 ones, never the whole model's twice); with FP8
+    weights or at fp8, the whole model first, then converted."""
     precision = resolve_precision(precision, device)
     if precision in CPU_PRECISIONS and torch.device(device).type != "cpu":
         raise CheckpointError(f"precision {precision!r} runs on CPU only (on {device}: fp8 or bf16)")
@@ -252,9 +290,16 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
     if dtype is None:
         raise CheckpointError(f"unknown precision {precision!r} "
                               f"(known: auto, {', '.join(DTYPES)}, fp8, {', '.join(CPU_PRECISIONS)})")
-    fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
+    fp8_weights = {name: state.pop(name) for name in list(state)
+                   if isinstance(state[name], torch.Tensor) and state[name].dtype == torch.float8_e4m3fn}
     with torch.device("meta"):
         model = Transformer(cfg)
+    if not fp8_weights and precision != "fp8":
+        try:
+            return _build_by_layer(model, state, precision, dtype, device, fuse)
+        except ValueError as e:  # a width int4's groups do not divide
+            raise CheckpointError(f"{source}: {e}") from None
+    state = {name: _read(tensor, None, device) for name, tensor in state.items()}
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
@@ -275,6 +320,34 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
             quantize_cpu_linears(model, precision)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
+    return model
+
+
+def _build_by_layer(model: Transformer, state: dict[str, torch.Tensor | LazyTensor], precision: str,
+                    dtype: torch.dtype, device, fuse: bool) -> Transformer:
+    """`_build` a layer at a time: its tensors read and cast (they become
+    the layer's own: `assign`), then fused and quantized, then the next.
+    Raises ValueError where a CPU precision cannot take a width."""
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        part = {name[len(prefix):]: _read(state.pop(name), dtype, device)
+                for name in [n for n in state if n.startswith(prefix)]}
+        layer.load_state_dict(part, strict=True, assign=True)
+        del part
+        if fuse:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if precision in CPU_PRECISIONS:
+            quantize_cpu_linears(layer, precision)
+    model.load_state_dict({name: _read(t, dtype, device) for name, t in state.items()}, strict=False, assign=True)
+    state.clear()
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # A buffer left on meta (not in the state dict); cast as `model.to(dtype)` casts every float buffer.
+    model.reset_rope(device, dtype)
+    model.eval()
+    if precision in CPU_PRECISIONS:
+        quantize_cpu_linears(model, precision)  # the head, the one nn.Linear left
     return model
 
 

@@ -107,14 +107,16 @@ def check_models(config: Config) -> None:
     cannot succeed fails before the port is bound: the device exists, each
     model resolves (a named one is fetched on first use) to a GGUF file
     or a checkpoint directory whose header reads, and one request over the
-    whole window fits the KV cache. Raises ConfigError, CheckpointError or
-    ModelFetchError, each one line."""
+    whole window fits the KV cache, and on a CPU that the models' weights and
+    the K/V pool fit the memory (`model.max_memory_gb`, completer/memory.py).
+    Raises ConfigError, CheckpointError or ModelFetchError, each one line."""
     import torch
 
-    from completer.checkpoint import CheckpointError, is_gguf, parse_config, weight_files
+    from completer.checkpoint import CheckpointError, is_gguf, parse_config, resolve_precision, weight_files
     from completer.config import ConfigError
     from completer.engine.config import kv_cache_problem
     from completer.gguf_checkpoint import open_gguf
+    from completer.memory import PROCESS_BYTES, memory_problem, model_bytes
     from completer.model_store import resolve_draft, resolve_target
 
     m = config.model
@@ -148,6 +150,14 @@ def check_models(config: Config) -> None:
             shapes["draft"] = draft_shape
     if problem := kv_cache_problem(config.engine, config.spec, m.context_tokens, shapes):
         raise ConfigError(problem.message)
+    if device.type == "cpu":  # (on a GPU the weights and the pool live in its memory)
+        paths = {"target": target, "draft": draft}
+        need = {f"{role} at {precision}": model_bytes(shape, precision, m.int4_dense_rows, config.engine.fused_cpu)
+                for role, shape in shapes.items()
+                for precision in [resolve_precision(m.precision, device, paths[role])]}
+        need |= {"K/V pool": int(config.engine.kv_cache_mb * 2**20), "the process": PROCESS_BYTES}
+        if problem := memory_problem(m.max_memory_gb, need):
+            raise ConfigError(problem)
 
 
 def serve_token(args: argparse.Namespace, config: Config) -> tuple[str, str]:

@@ -36,6 +36,9 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     int4_dense_rows: int = 32  # int4: passes of this many rows or more use a resident bf16 copy (0: none)
     # oneDNN's and ideep's per-shape kernel caches, entries each (theirs: 1,024, ~1.2 MB more per new prompt length).
     kernel_cache_entries: int = 128
+    # On a CPU, the start refuses models whose weights and K/V pool (completer/memory.py's estimate) exceed
+    # this many GB; 0: the memory available when it starts.
+    max_memory_gb: float = 0.0
     # The context block: the windows of the files a client sent that best match the code before the
     # cursor (completer/retrieval.py), kept while typing; false: the files whole, in the client's order.
     retrieval: bool = True
@@ -295,6 +298,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if m.int4_dense_rows < 0:
         found.append(ConfigProblem(("model.int4_dense_rows",), f"model.int4_dense_rows = {m.int4_dense_rows}: "
                                    "must be 0 (no copy) or more"))
+    if not (m.max_memory_gb >= 0 and math.isfinite(m.max_memory_gb)):  # (NaN fails too)
+        found.append(ConfigProblem(("model.max_memory_gb",), f"model.max_memory_gb = {m.max_memory_gb}: "
+                                   "must be 0 (the memory available at start) or a positive number of GB"))
     if m.kernel_cache_entries < 1:
         found.append(ConfigProblem(("model.kernel_cache_entries",),
                                    f"model.kernel_cache_entries = {m.kernel_cache_entries}: must be at least 1"))

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +26,13 @@ from completer.model import CheckpointError, ModelConfig, RopeScaling
 from completer.tokenizer import TextTokenizer
 
 ARCHITECTURES = architectures.HF_CLASSES  # llama.cpp's `general.architecture` -> HF's class
+
+class LazyTensor(NamedTuple):
+    """A checkpoint tensor not read yet: its shape, and how to read it."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
 
 def _error(path: Path, cause: str) -> CheckpointError:
     return CheckpointError(f"{path}: {cause}")
@@ -65,6 +74,12 @@ def _reader_class() -> type:
             self._data = mapped.view(np.ndarray)
 
     return Reader
+
+
+def forget_opened() -> None:
+    """Let go of the files `open_gguf` keeps, once the models are loaded: the
+    reader's parsed metadata of a 151,936-token vocabulary holds ~360 MB."""
+    _opened.cache_clear()
 
 
 class GgufFile:
@@ -163,10 +178,21 @@ class GgufFile:
         except NotImplementedError:
             raise _error(self.path, f"tensor {name!r} is {t.tensor_type.name}, "
                                     f"which the gguf reader cannot dequantize") from None
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+        # A dequantized tensor is a new array already (copied once more, a 3B model's embedding took 1.2 GB
+        # more while loading); an F32 one is a view of the read-only file, copied.
+        values = np.asarray(values, dtype=np.float32)
+        if not values.flags.writeable:
+            values = values.copy()
+        return torch.from_numpy(values.reshape(tuple(reversed(t.shape.tolist()))))
 
     def state_dict(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """HF-named tensors; Q/K rows of `llama` / `granite` files back in HF's rotate-half order."""
+        return {name: lazy.read() for name, lazy in self.lazy_state_dict(cfg).items()}
+
+    def lazy_state_dict(self, cfg: ModelConfig) -> dict[str, LazyTensor]:
+        """As `state_dict`, each tensor read (dequantized to fp32) only when
+        asked: the loader builds a layer at a time, so a model's fp32 weights
+        never sit in memory all at once (a 3B model's are 12 GB)."""
         family = architectures.family_of(cfg.architecture)
         layer_tensors = architectures.gguf_layer_tensors(family)
         permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
@@ -183,11 +209,14 @@ class GgufFile:
                 module, hf = None, f"{architectures.GGUF_GLOBAL_TENSORS[base]}.{suffix}"
             else:
                 raise _error(self.path, f"unexpected tensor {name!r}")
-            tensor = self.tensor(name)
-            if family in architectures.PERMUTED_QK and module in permuted:
-                tensor = unpermute_rows(tensor, permuted[module])
-            state[hf] = tensor
+            heads = permuted.get(module) if family in architectures.PERMUTED_QK else None
+            shape = tuple(reversed(self.tensors[name].shape.tolist()))
+            state[hf] = LazyTensor(shape, functools.partial(self._hf_tensor, name, heads))
         return state
+
+    def _hf_tensor(self, name: str, heads: int | None) -> torch.Tensor:
+        tensor = self.tensor(name)
+        return tensor if heads is None else unpermute_rows(tensor, heads)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """llama3-style RoPE scaling, as llama.cpp stores it: a divisor per frequency."""

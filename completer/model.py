@@ -302,11 +302,12 @@ class Transformer(nn.Module):
         self.rope_scale = rope_attention_scale(cfg)
         self.eager_layers()
 
-    def reset_rope(self, device: torch.device | str) -> None:
-        """The RoPE frequencies computed afresh on `device` (after a build on meta)."""
-        self.inv_freq = rope_inverse_frequencies(self.config).to(device)
+    def reset_rope(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        """The RoPE frequencies computed afresh on `device` (after a build on meta),
+        in `dtype` (as `Transformer.to(dtype)` casts every float buffer)."""
+        self.inv_freq = rope_inverse_frequencies(self.config).to(device=device, dtype=dtype)
         local = local_inverse_frequencies(self.config)
-        self.inv_freq_local = None if local is None else local.to(device)
+        self.inv_freq_local = None if local is None else local.to(device=device, dtype=dtype)
 
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         return self.inv_freq_local if self.model.layers[layer].self_attn.local_rope else self.inv_freq
