@@ -69,7 +69,7 @@ from pathlib import Path
 
 import msgspec
 
-from completer.model_store import cache_dir, pull
+from completer.model_store import cache_dir, pull, resolve_target
 from latency_bench import llama_peer
 from latency_bench.harness import ROOT
 
@@ -86,10 +86,11 @@ class Shape(msgspec.Struct, frozen=True):
     source: str
     rope_theta: float = 1e6
     context: int = 32768
+    head_width: int = 0  # 0: hidden / heads (Gemma's differ)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_width or self.hidden // self.heads
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
@@ -104,6 +105,16 @@ SHAPES = {
     "3b": Shape(2048, 11008, 36, 16, 2, 151936, _HF.format("3B")),
 }
 UNUSED = 5  # llama.cpp's token type for padding rows
+
+
+def shape_of(path: Path) -> Shape:
+    """A real model file's shape (a `--models` row), from its metadata."""
+    from completer.gguf_checkpoint import open_gguf
+
+    cfg = open_gguf(path).config()
+    return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                 cfg.num_key_value_heads, cfg.vocab_size, f"the real file {path.name} ({cfg.architecture})",
+                 cfg.rope_theta, cfg.max_position_embeddings, head_width=cfg.head_dim)
 
 
 def files_dir() -> Path:
@@ -441,24 +452,31 @@ def run(args) -> dict:
         inputs_file.write(msgspec.json.encode(inputs))
         inputs_file.flush()
         inputs_path = Path(inputs_file.name)
+
+        def measure(name: str, precision: str, path: Path) -> None:
+            job = Job(str(path), precision, args.threads, args.tokens, args.line_tokens)
+            for server in args.servers:
+                say(f"{name} {precision}: {server} on {path.name} ...")
+                try:
+                    made = run_completer(job, inputs_path) if server == "completer" else \
+                        run_llama(job, inputs, context)
+                except Exception as e:  # noqa: BLE001 - one row failing leaves the others
+                    skipped[f"{name} {precision} {server}"] = f"{type(e).__name__}: {e}"
+                    say(f"FAILED: {skipped[f'{name} {precision} {server}']}")
+                    continue
+                rows.append({"shape": name, "precision": precision, "server": server, "file": path.name, **made})
+                say(line_of(rows[-1]))
+
         for name in args.shapes:
             paths = ensure_files(name, args.threads, args.keep_f16)
             files[name] = {t: {"path": str(p), "mb": p.stat().st_size / 2**20, "types": tensor_types(p)}
                            for t, p in paths.items()}
             for precision in args.precisions:
-                path = paths[GGUF_TYPES[precision]]
-                job = Job(str(path), precision, args.threads, args.tokens, args.line_tokens)
-                for server in args.servers:
-                    say(f"{name} {precision}: {server} on {path.name} ...")
-                    try:
-                        made = run_completer(job, inputs_path) if server == "completer" else \
-                            run_llama(job, inputs, context)
-                    except Exception as e:  # noqa: BLE001 - one row failing leaves the others
-                        skipped[f"{name} {precision} {server}"] = f"{type(e).__name__}: {e}"
-                        say(f"FAILED: {skipped[f'{name} {precision} {server}']}")
-                        continue
-                    rows.append({"shape": name, "precision": precision, "server": server, "file": path.name, **made})
-                    say(line_of(rows[-1]))
+                measure(name, precision, paths[GGUF_TYPES[precision]])
+        for name in args.models:  # real files, at the precision `auto` picks for them
+            path = resolve_target(name)
+            files[name] = {"file": {"path": str(path), "mb": path.stat().st_size / 2**20, "types": tensor_types(path)}}
+            measure(name, "auto", path)
         spec = None
         if args.spec:
             say(f"speculation: {args.spec} (target:drafter) ...")
@@ -466,10 +484,12 @@ def run(args) -> dict:
                 spec = spec_row(args, inputs_path)
             except Exception as e:  # noqa: BLE001
                 skipped["spec"] = f"{type(e).__name__}: {e}"
-    shapes = {n: {**msgspec.to_builtins(SHAPES[n]), "head_dim": SHAPES[n].head_dim,
-                  "kv_bytes_per_token": {"completer (fp32)": SHAPES[n].kv_bytes_per_token(4),
-                                         "llama.cpp (f16)": SHAPES[n].kv_bytes_per_token(2)}}
-              for n in {*args.shapes, *(args.spec.split(":") if args.spec else ())}}
+    known = {**{n: SHAPES[n] for n in {*args.shapes, *(args.spec.split(":") if args.spec else ())}},
+             **{n: shape_of(Path(files[n]["file"]["path"])) for n in args.models}}
+    shapes = {n: {**msgspec.to_builtins(s), "head_dim": s.head_dim,
+                  "kv_bytes_per_token": {"completer (fp32)": s.kv_bytes_per_token(4),
+                                         "llama.cpp (f16)": s.kv_bytes_per_token(2)}}
+              for n, s in known.items()}
     settings = {k: getattr(args, k) for k in ("threads", "prompt_tokens", "tokens", "line_tokens", "reps", "cases")}
     return {"date": now(), "machine": msgspec.to_builtins(machine()), "command": " ".join(sys.argv),
             "settings": {**settings, "llama_context": context, "llama_version": llama_peer.DEFAULT_VERSION},
@@ -545,6 +565,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["0.5b", "1.5b", "3b"])
     p.add_argument("--precisions", nargs="+", choices=list(GGUF_TYPES), default=["int4", "int8"])
+    p.add_argument("--models", nargs="*", default=[], help="real model files too, by name or path "
+                   "(e.g. gemma3-270m), at the precision `auto` picks, beside llama.cpp on the same file")
     p.add_argument("--servers", nargs="+", choices=["completer", "llama.cpp"], default=["completer", "llama.cpp"])
     p.add_argument("--spec", default="3b:0.5b", help="TARGET:DRAFTER shapes for the speculation costs ('' for none)")
     p.add_argument("--threads", type=int, default=2)
