@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
+from completer.cpu_quant import CPU_PRECISIONS, MIXED, int8_fused_here, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
-from completer.gguf_checkpoint import GgufFile, open_gguf
+from completer.gguf_checkpoint import INT4_GROUP_TYPES, GgufFile, open_gguf
 from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
@@ -97,21 +97,47 @@ def weight_files(directory: Path) -> list[Path]:
 
 
 def resolve_precision(precision: str, device: str | torch.device = "cpu", source: str | Path | None = None) -> str:
-    """"auto": on a CPU, int4 for a GGUF whose layers are stored as Q4_1 (the
-    default model: its groups come back exactly, so int4 serves the weights as
-    shipped, and it streams the fewest bytes: the fastest CPU precision
-    measured, BENCHMARKS.md); else bf16 where the hardware computes in it
-    natively (CUDA; CPUs with AVX512-BF16 or AMX, where bf16 halves weight
-    traffic and doubles matmul rate; measured on the default target: the same
-    bits per byte as fp32), fp32 elsewhere (emulated bf16 is slower than fp32)."""
+    """"auto": bf16 on CUDA. On a CPU, for a GGUF whose layers are quantized,
+    `gguf_cpu_precision` of its types (int4 for the default model, Q4_1: its
+    groups come back exactly, so int4 serves the weights as shipped, and it
+    streams the fewest bytes: the fastest CPU precision measured,
+    BENCHMARKS.md); else bf16 where the hardware computes in it natively
+    (CPUs with AVX512-BF16 or AMX, where bf16 halves weight traffic and
+    doubles matmul rate; measured on the default target: the same bits per
+    byte as fp32), fp32 elsewhere (emulated bf16 is slower than fp32)."""
     if precision != "auto":
         return precision
     if torch.device(device).type == "cuda":
         return "bf16"
     if source is not None and is_gguf(Path(source)) and Path(source).is_file():
-        if open_gguf(source).layer_weights_type() == "Q4_1":
-            return "int4"
+        chosen = gguf_cpu_precision(open_gguf(source).layer_weights_types(), int8_fused_here())
+        if chosen is not None:
+            return chosen
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
+# Quantized types with more than 4 bits a weight: served as int8 (one scale a
+# row, 7 bits), which loses less than requantizing them to int4 (docs/models.md).
+WIDER_QUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def gguf_cpu_precision(types: dict[str, int], int8_fused: bool) -> str | None:
+    """The CPU precision for a GGUF whose layers' matrices are stored as
+    `types` (type -> how many), or None (a float precision):
+    - all 4-bit groups (Q4_0, Q4_1, Q4_K): int4, every matrix exact;
+    - all quantized, some wider (Q5_0 .. Q8_0), where int8 runs in the fused
+      layer (`int8_fused`, AVX512-VNNI): int4+int8 (the 4-bit groups exact,
+      the rest int8), or int8 when none are 4-bit groups;
+    - elsewhere, mostly 4-bit groups: int4 (the wider matrices requantized;
+      int8 would take the whole model off the fused layer); else None."""
+    total = sum(types.values())
+    four = sum(n for kind, n in types.items() if kind in INT4_GROUP_TYPES)
+    wider = sum(n for kind, n in types.items() if kind in WIDER_QUANT_TYPES)
+    if total and four == total:
+        return "int4"
+    if total and int8_fused and four + wider == total:
+        return MIXED if four else "int8"
+    return "int4" if 2 * four > total else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -138,8 +164,8 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
                target: Transformer | None = None, fuse: bool = False) -> Transformer:
     """An HF checkpoint directory or a GGUF file. precision: auto, fp32, bf16,
     fp16, fp8 (projections as completer.fp8.Fp8Linear, the rest bf16), or on
-    CPU int8 / int4 (projections and head as completer.cpu_quant's, the rest
-    fp32). `target`: the model a drafter with `embedding_from_target` drafts
+    CPU int8 / int4 / int4+int8 (projections and head as completer.cpu_quant's,
+    the rest fp32). `target`: the model a drafter with `embedding_from_target` drafts
     for. `fuse`: q/k/v and gate/up as one projection each (serving)."""
     path = Path(path)
     if is_gguf(path):
@@ -164,7 +190,8 @@ def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Tr
     cfg = gguf.config()
     state = gguf.state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
-    model = _build(cfg, state, {}, precision, device, gguf.path, fuse)
+    groups = gguf.int4_groups_by_module(cfg) if precision in CPU_PRECISIONS else None
+    model = _build(cfg, state, {}, precision, device, gguf.path, fuse, groups)
     factors = gguf.rope_freq_factors()
     if factors is not None:
         model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
@@ -219,7 +246,8 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
 
 
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-           precision: str, device, source: Path, fuse: bool = False) -> Transformer:
+           precision: str, device, source: Path, fuse: bool = False,
+           int4_groups: dict[str, tuple] | None = None) -> Transformer:
     precision = resolve_precision(precision, device)
     if precision in CPU_PRECISIONS and torch.device(device).type != "cpu":
         raise CheckpointError(f"precision {precision!r} runs on CPU only (on {device}: fp8 or bf16)")
@@ -252,7 +280,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
         model.fuse_projections()
     if precision in CPU_PRECISIONS:
         try:
-            quantize_cpu_linears(model, precision)
+            quantize_cpu_linears(model, precision, int4_groups)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
     return model

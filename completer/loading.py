@@ -9,7 +9,7 @@ import msgspec
 import torch
 
 from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
-from completer.cpu_quant import bound_kernel_caches, keep_dense_int4
+from completer.cpu_quant import CPU_PRECISIONS, bound_kernel_caches, keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
 from completer.model import Transformer
 from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
@@ -86,7 +86,7 @@ def load_models(target: str | Path = "default", draft: str | Path = "default", p
     loaded = load(target_path, precision, template, order, device, fuse=fuse)
     drafter = load(draft_path, precision, template, order, device, loaded, fuse) if draft_path else None
     for model in (loaded, drafter):
-        if model is not None and model.precision == "int4":
+        if model is not None and model.precision in CPU_PRECISIONS:
             keep_dense_int4(model.model, int4_dense_rows)
     return loaded, drafter
 
