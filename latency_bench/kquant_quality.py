@@ -457,43 +457,39 @@ def speed(args) -> dict:
 
 
 def report(quality: dict, speed_rows: dict | None) -> str:
-    """docs/models.md's tables from the saved runs."""
+    """docs/models.md's tables from the saved runs: per file and precision;
+    per source and stored type, at auto, with the alternatives beside."""
     def stored(types: dict) -> str:
         return ", ".join(f"{k} {v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
 
     rates = {(r["file"], r["precision"]): r["decode_tok_s"] for r in (speed_rows or {}).get("files", [])}
-    out = ["| file | layers' matrices stored as | served as | MiB | top-1 agreement, weights (fp32 math) | "
-           "KL, weights | max abs logit diff, weights | top-1 agreement, as served (8-bit activations) | "
-           "NLL file / ours, as served | decode tok/s |", "|---" * 10 + "|"]
+    out = ["| file | layers' matrices stored as | served as | MiB | top-1 agreement | KL (nats) | max abs logit diff | "
+           "NLL file / ours | top-1 agreement, as served | decode tok/s |", "|---" * 10 + "|"]
     for f in quality["files"]:
         for precision, row in f["served"].items():
             w, v = row["logits_weights"], row.get("logits_served")
             rate = rates.get((f["file"], precision))
-            served = (f"{100 * v['top1_agreement']:.1f}% | {v['nll_file']:.3f} / {v['nll_ours']:.3f}" if v
-                      else f"| {w['nll_file']:.3f} / {w['nll_ours']:.3f} (fp32 math)")
+            served = "" if v is None else f"{100 * v['top1_agreement']:.1f}%"
             out.append(f"| {f['file']} | {stored(f['stored'])} | {precision}{' (auto)' if precision == f['auto'] else ''}"
                        f" | {f['size_mib']:.0f} | {100 * w['top1_agreement']:.1f}% | {w['kl']:.4f} | "
-                       f"{w['max_abs_diff']:.2f} | {served} | {'' if rate is None else f'{rate:.1f}'} |")
-    out += ["", "| source | stored type | served as | matrices | rel. error | max abs error | rel. error, fused layer "
-            "(fp16 scales) | requantized to int8: rel. / max | requantized to int4: rel. / max |", "|---" * 9 + "|"]
-    seen = set()
+                       f"{w['max_abs_diff']:.2f} | {w['nll_file']:.3f} / {w['nll_ours']:.3f} | "
+                       f"{served} | "
+                       f"{'' if rate is None else f'{rate:.1f}'} |")
+    out += ["", "| source | stored type | at auto served as | matrices | rel. error | max abs error | "
+            "rel. error in the fused layer (fp16 scales) | requantized to int8: rel. / max | "
+            "requantized to int4: rel. / max |", "|---" * 9 + "|"]
+    best: dict[tuple, tuple] = {}  # (source, stored, served as) -> (matrices, error row, requantized)
     for f in quality["files"]:
-        for precision, row in f["served"].items():
-            for name, e in row["weights"].items():
-                kind = e.get("stored", name)
-                key = (f["source"], kind, e["served_as"], name == "lm_head")
-                if key in seen:
-                    continue
-                seen.add(key)
-                if name == "lm_head":  # the output head (or tied embeddings): int8 at every CPU precision
-                    out.append(f"| {f['source']} | {kind}, output head | int8 | 1 | {e['rel']:.4f} | "
-                               f"{e['max_abs']:.4f} | | | |")
-                    continue
-                r = f["requantized"].get(kind, {})
-                alt = (f"{r['int8_rel']:.4f} / {r['int8_max_abs']:.4f} | {r['int4_rel']:.4f} / {r['int4_max_abs']:.4f}"
-                       if r else " | ")
-                out.append(f"| {f['source']} | {kind} | {e['served_as']} | {e['matrices']} | {e['rel']:.4f} | "
-                           f"{e['max_abs']:.4f} | {e['fused_rel']:.4f} | {alt} |")
+        for name, e in f["served"][f["auto"]]["weights"].items():
+            head = name == "lm_head"
+            key = (f["source"], f"{e['stored']}, output head" if head else e["stored"], e["served_as"])
+            if key not in best or e["matrices"] > best[key][0]:
+                best[key] = (e["matrices"], e, {} if head else f["requantized"].get(e["stored"], {}))
+    for (source, kind, as_), (n, e, r) in best.items():
+        alt = (f"{r['int8_rel']:.4f} / {r['int8_max_abs']:.4f} | {r['int4_rel']:.4f} / {r['int4_max_abs']:.4f}"
+               if r else " | ")
+        fused = f"{e['fused_rel']:.4f}" if "fused_rel" in e else ""
+        out.append(f"| {source} | {kind} | {as_} | {n} | {e['rel']:.4f} | {e['max_abs']:.4f} | {fused} | {alt} |")
     return "\n".join(out)
 
 
