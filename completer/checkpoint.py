@@ -7,20 +7,23 @@ as a `CheckpointError` whose one-line message names the file and the cause.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from completer import architectures
 from completer.cpu_quant import CPU_PRECISIONS, MIXED, int8_fused_here, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
-from completer.gguf_checkpoint import INT4_GROUP_TYPES, GgufFile, open_gguf
-from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer, rope_inverse_frequencies
+from completer.gguf_checkpoint import INT4_GROUP_TYPES, GgufFile, LazyTensor, open_gguf
+from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(architectures.FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # FP8 checkpoints store e4m3 `x.weight` with `x.weight_scale` (or DeepSeek-style
 # `x.weight_scale_inv`); static `x.input_scale`s are dropped: we scale per token.
@@ -37,26 +40,33 @@ def _read_json(path: Path) -> dict:
 
 
 def parse_config(path: Path) -> ModelConfig:
+    return parse_config_and_rewrite(path)[0]
+
+
+def parse_config_and_rewrite(path: Path) -> tuple[ModelConfig, architectures.Rewrite]:
+    """The model a config.json describes, and how its weights differ from ours."""
     raw = _read_json(path)
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if raw.get("use_sliding_window"):
-        raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    family = architectures.family_of(arch)
+    why = architectures.hf_unsupported(family, raw)
+    if why:
+        raise CheckpointError(f"{path}: {why}")
     try:
         heads = raw["num_attention_heads"]
-        # transformers < 5 writes rope_theta + rope_scaling; 5 writes rope_parameters.
-        scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = architectures.hf_rope(family, raw)
+        theta = scaling["rope_theta"]
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ("default", "linear", "llama3", "yarn"):
             raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
-        fields = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
-        rope = RopeScaling(**{**fields, "rope_type": kind}) if kind != "default" else None
+        rope_fields = {k: v for k, v in scaling.items() if k in RopeScaling.__struct_fields__}
+        rope = RopeScaling(**{**rope_fields, "rope_type": kind}) if kind != "default" else None
         is_qwen = arch == "Qwen2ForCausalLM"
-        return ModelConfig(
+        family_fields, rewrite = architectures.hf_fields(family, raw)
+        fields = dict(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -69,7 +79,7 @@ def parse_config(path: Path) -> ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=rope,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", family in architectures.TIED_BY_DEFAULT),
             qkv_bias=True if is_qwen else raw.get("attention_bias", False),
             o_bias=False if is_qwen else raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
@@ -78,8 +88,13 @@ def parse_config(path: Path) -> ModelConfig:
             head_vocab_size=raw.get("head_vocab_size", 0),
             embedding_from_target=raw.get("embedding_from_target", False),
         )
+        return ModelConfig(**{**fields, **family_fields}), rewrite
     except KeyError as e:
         raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
+    except CheckpointError:
+        raise
+    except ValueError as e:  # an activation, a rope type the family's fields name
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -172,8 +187,9 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
         return _load_gguf(open_gguf(path), precision, device, fuse)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
-    cfg = parse_config(path / "config.json")
+    cfg, rewrite = parse_config_and_rewrite(path / "config.json")
     state, scales = _read_safetensors(path, cfg)
+    _rewrite(state, rewrite, cfg.qk_norm, path)
     if cfg.embedding_from_target:
         embedding = None if target is None else target.model.embed_tokens.weight
         if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -187,15 +203,32 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
 
 
 def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Transformer:
-    cfg = gguf.config()
-    state = gguf.state_dict(cfg)
+    cfg, rewrite = gguf.config_and_rewrite()
+    state = gguf.lazy_state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
-    groups = gguf.int4_groups_by_module(cfg) if precision in CPU_PRECISIONS else None
+    _rewrite(state, rewrite, cfg.qk_norm, gguf.path)
+    groups = functools.partial(gguf.int4_groups_of_layer, cfg, rewrite) if precision in CPU_PRECISIONS else None
     model = _build(cfg, state, {}, precision, device, gguf.path, fuse, groups)
     factors = gguf.rope_freq_factors()
     if factors is not None:
         model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
     return model
+
+
+def _rewrite(state: dict[str, torch.Tensor | LazyTensor], rewrite: architectures.Rewrite, qk_norm: bool,
+             source: Path) -> None:
+    """The family's rewrite of the weights (architectures.py), as each is read."""
+    for name, tensor in state.items():
+        step = architectures.tensor_rewrite(name, rewrite, qk_norm)
+        if step is None:
+            continue
+        if isinstance(tensor, LazyTensor):
+            state[name] = LazyTensor(tensor.shape, lambda read=tensor.read, step=step: step(read()))
+            continue
+        try:
+            state[name] = step(tensor)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -207,7 +240,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     return expected
 
 
-def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor], source: Path) -> None:
+def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor | LazyTensor], source: Path) -> None:
     for name, tensor in state.items():
         if name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {name!r}")
@@ -217,17 +250,21 @@ def _check_shapes(expected: dict[str, torch.Size], state: dict[str, torch.Tensor
 
 
 def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
-    """The weights (and FP8 scales) of a checkpoint directory, checked against `cfg`."""
+    """The weights (and FP8 scales) of a checkpoint directory, checked against
+    `cfg`: FP8 tensors and scales read, the others `LazyTensor`s (read as
+    `_build` builds their layer)."""
     expected = _expected_shapes(cfg)
+    family = architectures.family_of(cfg.architecture)
     state: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for f in weight_files(directory):
         try:
             with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
+                for stored in handle.keys():
+                    name = architectures.hf_rename(family, stored)
                     base = name.rsplit(".", 1)[0] + ".weight"
                     if name.endswith(FP8_SCALE_SUFFIXES) and base in expected:
-                        scales[name] = handle.get_tensor(name)
+                        scales[name] = handle.get_tensor(stored)
                         continue
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -235,7 +272,11 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
                         if name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise CheckpointError(f"{f}: unexpected tensor {name!r}")
-                    tensor = handle.get_tensor(name)
+                    piece = handle.get_slice(stored)
+                    if piece.get_dtype().startswith("F8"):
+                        tensor = handle.get_tensor(stored)
+                    else:
+                        tensor = LazyTensor(tuple(piece.get_shape()), functools.partial(_safetensor, f, stored))
                     _check_shapes(expected, {name: tensor}, f)
                     state[name] = tensor
         except CheckpointError:
@@ -245,9 +286,29 @@ def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict, dict]:
     return state, scales
 
 
-def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+def _safetensor(path: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
+
+def _read(tensor: torch.Tensor | LazyTensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """The tensor on `device`, a float one cast to `dtype` (None: as stored)."""
+    tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+    return tensor.to(device=device, dtype=dtype) if dtype and tensor.is_floating_point() else tensor.to(device)
+
+
+def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales: dict[str, torch.Tensor],
            precision: str, device, source: Path, fuse: bool = False,
-           int4_groups: dict[str, tuple] | None = None) -> Transformer:
+           int4_groups: Callable[[int], dict[str, tuple]] | None = None) -> Transformer:
+    """The model from its tensors, a layer at a time (each read, cast, fused
+    and quantized before the next is read: loading holds the served weights
+    and one layer's fp32 ones, never the whole model's twice); with FP8
+    weights or at fp8, the whole model first, then converted. `int4_groups`:
+    layer -> the 4-bit groups a GGUF stores for its projections
+    (`GgufFile.int4_groups_of_layer`), which quantize_cpu_linears takes as they are."""
     precision = resolve_precision(precision, device)
     if precision in CPU_PRECISIONS and torch.device(device).type != "cpu":
         raise CheckpointError(f"precision {precision!r} runs on CPU only (on {device}: fp8 or bf16)")
@@ -260,14 +321,21 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
     if dtype is None:
         raise CheckpointError(f"unknown precision {precision!r} "
                               f"(known: auto, {', '.join(DTYPES)}, fp8, {', '.join(CPU_PRECISIONS)})")
-    fp8_weights = {name: state.pop(name) for name in list(state) if state[name].dtype == torch.float8_e4m3fn}
+    fp8_weights = {name: state.pop(name) for name in list(state)
+                   if isinstance(state[name], torch.Tensor) and state[name].dtype == torch.float8_e4m3fn}
     with torch.device("meta"):
         model = Transformer(cfg)
+    if not fp8_weights and precision != "fp8":
+        try:
+            return _build_by_layer(model, state, precision, dtype, device, fuse, int4_groups)
+        except ValueError as e:  # a width int4's groups do not divide
+            raise CheckpointError(f"{source}: {e}") from None
+    state = {name: _read(tensor, None, device) for name, tensor in state.items()}
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inverse_frequencies(cfg).to(device)  # buffer was on meta
+    model.reset_rope(device)  # the buffers were on meta
     model = model.to(dtype).eval()
     if fp8_weights or precision == "fp8":
         try:
@@ -283,6 +351,35 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], scales: dict[str, t
             quantize_cpu_linears(model, precision, int4_groups)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
+    return model
+
+
+def _build_by_layer(model: Transformer, state: dict[str, torch.Tensor | LazyTensor], precision: str,
+                    dtype: torch.dtype, device, fuse: bool,
+                    int4_groups: Callable[[int], dict[str, tuple]] | None = None) -> Transformer:
+    """`_build` a layer at a time: its tensors read and cast (they become
+    the layer's own: `assign`), then fused and quantized, then the next.
+    Raises ValueError where a CPU precision cannot take a width."""
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        part = {name[len(prefix):]: _read(state.pop(name), dtype, device)
+                for name in [n for n in state if n.startswith(prefix)]}
+        layer.load_state_dict(part, strict=True, assign=True)
+        del part
+        if fuse:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if precision in CPU_PRECISIONS:
+            quantize_cpu_linears(layer, precision, int4_groups(i) if int4_groups else None)
+    model.load_state_dict({name: _read(t, dtype, device) for name, t in state.items()}, strict=False, assign=True)
+    state.clear()
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # A buffer left on meta (not in the state dict); cast as `model.to(dtype)` casts every float buffer.
+    model.reset_rope(device, dtype)
+    model.eval()
+    if precision in CPU_PRECISIONS:
+        quantize_cpu_linears(model, precision)  # the head, the one nn.Linear left
     return model
 
 

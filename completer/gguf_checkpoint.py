@@ -2,47 +2,36 @@
 
 The config comes from the file's metadata, the tensors from ggml-org's `gguf`
 reader (dequantized to fp32, then cast to the serving precision), the tokenizer
-from the vocabulary, merges and token types stored in the file. Two things
+from the vocabulary stored in the file (`gguf_tokenizer`). Two things
 differ from an HF checkpoint: llama.cpp's converter permutes the rows of Q and
-K of `llama` models (its RoPE rotates adjacent pairs, HF's rotates halves), and
-llama3-style RoPE scaling is stored as a `rope_freqs` tensor. Every problem is
-a `CheckpointError` whose one-line message names the file and the cause.
+K of `llama` and `granite` models (its RoPE rotates adjacent pairs, HF's
+rotates halves), and llama3-style RoPE scaling is stored as a `rope_freqs`
+tensor. What differs between families is completer/architectures.py's. Every
+problem is a `CheckpointError` whose one-line message names the file and the cause.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from completer import architectures
 from completer.model import CheckpointError, ModelConfig, RopeScaling
-from completer.tokenizer import BYTE_ENCODER, TextTokenizer
+from completer.tokenizer import TextTokenizer
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = architectures.HF_CLASSES  # llama.cpp's `general.architecture` -> HF's class
 
-# llama.cpp's tensor names, per layer and global, to HF's.
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+class LazyTensor(NamedTuple):
+    """A checkpoint tensor not read yet: its shape, and how to read it."""
 
-# How each `tokenizer.ggml.pre` splits text before BPE (byte-level vocabularies).
-# StarCoder-family vocabularies (SmolLM's among them) were trained on single digits.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-REGEX_SPLITS = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-                "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
-SINGLE_DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
 
 
 def _error(path: Path, cause: str) -> CheckpointError:
@@ -66,17 +55,42 @@ def _opened(path: Path, mtime_ns: int, size: int) -> "GgufFile":
     return GgufFile(path)
 
 
+@functools.cache
+def _reader_class() -> type:
+    """gguf's reader, over a plain array view of its memory map: it takes a
+    view per value it parses, and numpy's memmap subclass costs Python calls
+    on each, 5x the parse (Gemma 3's 262,144-token vocabulary: ~24 s, ~4.5 s
+    this way; SmolLM2's 49,152: ~4 s, ~0.9 s). The map stays open through
+    the view's base; tensors' data are views of it as before."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._data = mapped.view(np.ndarray)
+
+    return Reader
+
+
+def forget_opened() -> None:
+    """Let go of the files `open_gguf` keeps, once the models are loaded: the
+    reader's parsed metadata of a 151,936-token vocabulary holds ~360 MB."""
+    _opened.cache_clear()
+
+
 class GgufFile:
     """An opened GGUF: metadata by key, tensors by name (memory-mapped)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise _error(self.path, "file not found")
         try:
-            self.reader = GGUFReader(self.path)
+            self.reader = _reader_class()(self.path)
         except Exception as e:  # the reader raises ValueError, IndexError, struct errors
             raise _error(self.path, f"not a readable GGUF file ({type(e).__name__}: {e})") from None
         size = os.path.getsize(self.path)
@@ -104,10 +118,16 @@ class GgufFile:
         return arch
 
     def config(self) -> ModelConfig:
+        return self.config_and_rewrite()[0]
+
+    def config_and_rewrite(self) -> tuple[ModelConfig, architectures.Rewrite]:
+        """The model the metadata describes, and how the stored weights differ from ours."""
         arch = self.architecture
         key = lambda name: f"{arch}.{name}"  # noqa: E731
         heads = self.require(key("attention.head_count"))
         hidden = self.require(key("embedding_length"))
+        head_dim = self.get(key("attention.key_length")) or hidden // heads
+        layers = self.require(key("block_count"))
         if "token_embd.weight" not in self.tensors:
             raise _error(self.path, "tensor 'token_embd.weight' missing")
         kind = self.get(key("rope.scaling.type"), "none")
@@ -116,15 +136,17 @@ class GgufFile:
         rope = None if kind == "none" else RopeScaling(
             rope_type=kind, factor=self.get(key("rope.scaling.factor"), 1.0),
             original_max_position_embeddings=self.get(key("rope.scaling.original_context_length")))
-        return ModelConfig(
+        family_fields, rewrite = architectures.gguf_fields(
+            arch, lambda name, default: self.get(key(name), default), hidden, head_dim, layers)
+        fields = dict(
             architecture=ARCHITECTURES[arch],
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),  # ggml order: [width, rows]
             hidden_size=hidden,
             intermediate_size=self.require(key("feed_forward_length")),
-            num_hidden_layers=self.require(key("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=self.get(key("attention.head_count_kv")) or heads,
-            head_dim=self.get(key("attention.key_length")) or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=self.get(key("context_length"), 2048),
             rms_norm_eps=self.get(key("attention.layer_norm_rms_epsilon"), 1e-6),
             rope_theta=self.get(key("rope.freq_base"), 10000.0),
@@ -136,6 +158,7 @@ class GgufFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
         )
+        return ModelConfig(**{**fields, **family_fields}), rewrite
 
     def layer_weights_type(self) -> str | None:
         """The type most of the layers' matrices are stored in ("Q4_1", "F32", ...)."""
@@ -152,23 +175,29 @@ class GgufFile:
         return dict(Counter(t.tensor_type.name for name, t in self.tensors.items()
                             if name.startswith("blk.") and len(t.shape) == 2))
 
-    def int4_groups_by_module(self, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """`int4_groups` of every layer projection stored as 4-bit groups, by
-        module name ("model.layers.0.self_attn.q_proj"), rows in HF's order
-        (as `state_dict` gives the weights): what quantize_cpu_linears takes."""
+    def int4_groups_of_layer(self, cfg: ModelConfig, rewrite: architectures.Rewrite,
+                             layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`int4_groups` of layer `layer`'s projections stored as 4-bit
+        groups, by module name in the layer ("self_attn.q_proj"), as
+        `lazy_state_dict` gives their weights: rows in HF's order, the
+        family's constant factor (`architectures.tensor_rewrite`) applied to
+        scale and minimum. What quantize_cpu_linears takes."""
+        family = architectures.family_of(cfg.architecture)
         permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
         out = {}
-        for name in self.tensors:
-            parts = name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in LAYER_TENSORS:
+        for kind, module in architectures.gguf_layer_tensors(family).items():
+            name = f"blk.{layer}.{kind}.weight"
+            if name not in self.tensors or len(self.tensors[name].shape) != 2:
                 continue
             groups = self.int4_groups(name)
             if groups is None:
                 continue
-            module = LAYER_TENSORS[parts[2]]
-            if cfg.architecture == "LlamaForCausalLM" and module in permuted:
+            if family in architectures.PERMUTED_QK and module in permuted:
                 groups = tuple(unpermute_rows(g, permuted[module]) for g in groups)
-            out[f"model.layers.{parts[1]}.{module}"] = groups
+            step = architectures.tensor_rewrite(f"model.layers.{layer}.{module}.weight", rewrite, cfg.qk_norm)
+            if step is not None:  # a constant factor: on the scale and the minimum
+                groups = (groups[0], step(groups[1]), step(groups[2]))
+            out[module] = groups
         return out
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -181,7 +210,12 @@ class GgufFile:
         except NotImplementedError:
             raise _error(self.path, f"tensor {name!r} is {t.tensor_type.name}, "
                                     f"which the gguf reader cannot dequantize") from None
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+        # A dequantized tensor is a new array already (copied once more, a 3B model's embedding took 1.2 GB
+        # more while loading); an F32 one is a view of the read-only file, copied.
+        values = np.asarray(values, dtype=np.float32)
+        if not values.flags.writeable:
+            values = values.copy()
+        return torch.from_numpy(values.reshape(tuple(reversed(t.shape.tolist()))))
 
     def tensor_type(self, name: str) -> str:
         """How the file stores a tensor: "Q4_K", "Q6_K", "F16", ..."""
@@ -201,7 +235,15 @@ class GgufFile:
         return int4_groups_of(np.asarray(t.data).reshape(rows, -1), kind)
 
     def state_dict(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """HF-named tensors; Q/K rows of `llama` files back in HF's rotate-half order."""
+        """HF-named tensors; Q/K rows of `llama` / `granite` files back in HF's rotate-half order."""
+        return {name: lazy.read() for name, lazy in self.lazy_state_dict(cfg).items()}
+
+    def lazy_state_dict(self, cfg: ModelConfig) -> dict[str, LazyTensor]:
+        """As `state_dict`, each tensor read (dequantized to fp32) only when
+        asked: the loader builds a layer at a time, so a model's fp32 weights
+        never sit in memory all at once (a 3B model's are 12 GB)."""
+        family = architectures.family_of(cfg.architecture)
+        layer_tensors = architectures.gguf_layer_tensors(family)
         permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
         state = {}
         for name in self.tensors:
@@ -209,34 +251,34 @@ class GgufFile:
                 continue
             base, _, suffix = name.rpartition(".")
             parts = base.split(".")
-            if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-                module = LAYER_TENSORS[parts[2]]
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+                module = layer_tensors[parts[2]]
                 hf = f"model.layers.{parts[1]}.{module}.{suffix}"
-            elif base in GLOBAL_TENSORS:
-                module, hf = None, f"{GLOBAL_TENSORS[base]}.{suffix}"
+            elif base in architectures.GGUF_GLOBAL_TENSORS:
+                module, hf = None, f"{architectures.GGUF_GLOBAL_TENSORS[base]}.{suffix}"
             else:
                 raise _error(self.path, f"unexpected tensor {name!r}")
-            tensor = self.tensor(name)
-            if cfg.architecture == "LlamaForCausalLM" and module in permuted:
-                tensor = unpermute_rows(tensor, permuted[module])
-            state[hf] = tensor
+            heads = permuted.get(module) if family in architectures.PERMUTED_QK else None
+            shape = tuple(reversed(self.tensors[name].shape.tolist()))
+            state[hf] = LazyTensor(shape, functools.partial(self._hf_tensor, name, heads))
         return state
+
+    def _hf_tensor(self, name: str, heads: int | None) -> torch.Tensor:
+        tensor = self.tensor(name)
+        return tensor if heads is None else unpermute_rows(tensor, heads)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """llama3-style RoPE scaling, as llama.cpp stores it: a divisor per frequency."""
         return self.tensor("rope_freqs.weight") if "rope_freqs.weight" in self.tensors else None
 
     def tokenizer(self) -> TextTokenizer:
-        model = self.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise _error(self.path, f"tokenizer model {model!r} is not supported (supported: 'gpt2', byte-level BPE)")
-        tokens = self.require("tokenizer.ggml.tokens")
-        types = self.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = self.get("tokenizer.ggml.merges") or []
-        return TextTokenizer(byte_level_bpe(tokens, types, merges, self.get("tokenizer.ggml.pre", "default"),
-                                            self.get("tokenizer.ggml.bos_token_id")
-                                            if self.get("tokenizer.ggml.add_bos_token", False) else None),
-                             self.path)
+        """The tokenizer its vocabulary describes (`gguf_tokenizer`)."""
+        from completer.gguf_tokenizer import UnsupportedTokenizer, from_metadata
+
+        try:
+            return TextTokenizer(from_metadata(self.get), self.path)
+        except UnsupportedTokenizer as e:
+            raise _error(self.path, str(e)) from None
 
 
 # Types whose blocks are 4-bit values in groups of 32 with a scale and a
@@ -284,36 +326,3 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of the rotary dimensions of Q or K
     (rows [h, 2, d/2] were stored as [h, d/2, 2])."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
-                   bos_id: int | None) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from a GGUF's vocabulary.
-    Control tokens become special added tokens and user-defined ones plain
-    added tokens (both matched whole), as transformers' GGUF converter does."""
-    alphabet = set(BYTE_ENCODER.values())
-    vocab = {}
-    for i, token in enumerate(tokens):  # tokens outside the byte alphabet are spelled byte by byte
-        spelled = token if set(token) <= alphabet else "".join(BYTE_ENCODER[b] for b in token.encode())
-        vocab.setdefault(spelled, i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in REGEX_SPLITS)
-    if pre in REGEX_SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(REGEX_SPLITS[pre]), behavior="isolated"), byte_level])
-    elif pre in SINGLE_DIGIT_PRES:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    return tok
-

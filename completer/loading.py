@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import msgspec
@@ -11,11 +12,16 @@ import torch
 from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
 from completer.cpu_quant import CPU_PRECISIONS, bound_kernel_caches, keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
+from completer.gguf_checkpoint import forget_opened
 from completer.model import Transformer
 from completer.model_store import PACKAGED_MODELS, resolve_draft, resolve_target
 from completer.prompt import FimTemplate, PromptBuilder, get_template, marker_id
 from completer.tokenizer import TextTokenizer
 
+
+
+# glibc's: hands freed heap back to the system (engine.py trims so when idle).
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 class LoadedModel(msgspec.Struct):
@@ -46,10 +52,12 @@ def detect_template(tokenizer: TextTokenizer) -> str:
     prefix alone, no markers) when it has none."""
     if tokenizer.token_id("<|repo_name|>") is not None:
         return "qwen2.5-coder"
+    if tokenizer.token_id("<｜fim▁begin｜>") is not None:
+        return "deepseek-coder"
     if tokenizer.token_id("<|fim_prefix|>") is not None:
-        return "default"
+        return "codegemma" if tokenizer.token_id("<|file_separator|>") is not None else "default"
     if tokenizer.token_id("<fim_prefix>") is not None:
-        return "starcoder"
+        return "starcoder"  # StarCoder 1/2, Granite Code, SmolLM
     if marker_id(tokenizer, "<PRE>") is not None:
         return "codellama"
     return "prefix"
@@ -88,6 +96,9 @@ def load_models(target: str | Path = "default", draft: str | Path = "default", p
     for model in (loaded, drafter):
         if model is not None and model.precision in CPU_PRECISIONS:
             keep_dense_int4(model.model, int4_dense_rows)
+    forget_opened()
+    if _malloc_trim is not None:  # the layers' fp32 weights, freed while loading: ~450 MB back at 0.5B's shape
+        _malloc_trim(0)
     return loaded, drafter
 
 

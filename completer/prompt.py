@@ -75,6 +75,11 @@ class FimTemplate(msgspec.Struct, frozen=True):
     marker_space: bool = False
 
 
+# The end-of-text tokens of common vocabularies (where present): StarCoder's
+# and Qwen's, Llama 2 / 3's, Gemma's.
+PREFIX_STOPS = ("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>",
+                "<end_of_turn>")
+
 TEMPLATES: dict[str, FimTemplate] = {
     # Our default models: trained in SPM order (see the class docstring), with
     # file separators for context snippets.
@@ -95,17 +100,27 @@ TEMPLATES: dict[str, FimTemplate] = {
     "codellama": FimTemplate(
         name="codellama", prefix="<PRE>", suffix="<SUF>", middle="<MID>",
         stop_tokens=("<EOT>", "</s>"), order="psm", marker_space=True),
+    # CodeGemma: PSM, files separated by <|file_separator|> (its documented stop).
+    "codegemma": FimTemplate(
+        name="codegemma", prefix="<|fim_prefix|>", suffix="<|fim_suffix|>", middle="<|fim_middle|>",
+        file_sep="<|file_separator|>", order="psm",
+        stop_tokens=("<|file_separator|>", "<eos>", "<end_of_turn>", "<|fim_prefix|>", "<|fim_suffix|>",
+                     "<|fim_middle|>")),
+    # DeepSeek-Coder: "<｜fim▁begin｜>{prefix}<｜fim▁hole｜>{suffix}<｜fim▁end｜>" (PSM).
+    "deepseek-coder": FimTemplate(
+        name="deepseek-coder", prefix="<｜fim▁begin｜>", suffix="<｜fim▁hole｜>", middle="<｜fim▁end｜>",
+        order="psm", stop_tokens=("<｜end▁of▁sentence｜>", "<|EOT|>")),
     # Models without FIM tokens (SmolLM2, most base models): the prefix alone.
     # Stops: the end-of-text tokens of common vocabularies, where present.
     "prefix": FimTemplate(
         name="prefix", prefix="", suffix="", middle="", order="prefix",
-        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+        stop_tokens=PREFIX_STOPS),
     # The same, for vocabularies with StarCoder's <file_sep> (SmolLM2's): each
     # context snippet and the document itself introduced as a file of the
     # repository, as The Stack's repository-level training documents are.
     "prefix-files": FimTemplate(
         name="prefix-files", prefix="", suffix="", middle="", order="prefix", file_sep="<file_sep>",
-        stop_tokens=("<|endoftext|>", "<|im_end|>", "<file_sep>", "</s>", "<|end_of_text|>", "<|eot_id|>")),
+        stop_tokens=PREFIX_STOPS),
 }
 
 

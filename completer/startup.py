@@ -1,4 +1,4 @@
-"""One progress display for a server's start: the default model's first
+"""One progress display for a server's start: a named model's first
 download, then loading the models and starting the engine, until `ready`.
 
 The start is a few stages in order, each given a share of the whole; the
@@ -17,7 +17,7 @@ import time
 # the weights is most of a start from the cache; on a first start the
 # download (~90 MB) is about as long again.
 CACHED = {"loading the model": (0.0, 0.85), "starting the engine": (0.85, 1.0)}
-FIRST_START = {"downloading the default model": (0.0, 0.45), "extracting the default model": (0.45, 0.5),
+FIRST_START = {"downloading the model": (0.0, 0.45), "extracting the model": (0.45, 0.5),
                "loading the model": (0.5, 0.92), "starting the engine": (0.92, 1.0)}
 
 

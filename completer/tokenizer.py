@@ -22,10 +22,12 @@ class TextTokenizer:
     """Text <-> ids, and lookups of special tokens by their text."""
 
     def __init__(self, tokenizer: Tokenizer, path: Path | None = None):
-        spec = json.loads(tokenizer.to_str())
+        # The text-handling components alone: the whole tokenizer's JSON (Gemma's
+        # 262,144 tokens and 514,906 merges) would take seconds to write and read.
+        spec = {key: _component(getattr(tokenizer, key)) for key in ("normalizer", "pre_tokenizer", "decoder")}
         self.sentencepiece_style = _is_sentencepiece_style(spec)
         if self.sentencepiece_style:
-            tokenizer = _without_dummy_prefix(spec)
+            tokenizer = _without_dummy_prefix(tokenizer, spec)
         self.tokenizer = tokenizer
         # Document text that spells a special token ("<|endoftext|>" in a source
         # file) must stay text; prompts insert special tokens by id.
@@ -81,19 +83,23 @@ class TextTokenizer:
         return self.tokenizer.token_to_id(text)
 
 
+def _component(component) -> dict | None:
+    """A tokenizer component (normalizer, pre-tokenizer, decoder) as its JSON."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
 def _is_sentencepiece_style(spec: dict) -> bool:
-    """Words as "\u2581" pieces (Llama 2, CodeLlama, Mistral), not byte-level.
-    `spec`: the tokenizer.json contents."""
-    parts = {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")}
-    return "\u2581" in json.dumps(parts, ensure_ascii=False)
+    """Words as "\u2581" pieces (Llama 2, CodeLlama, Mistral, Gemma), not
+    byte-level. `spec`: the normalizer, pre-tokenizer and decoder as JSON."""
+    return "\u2581" in json.dumps(spec, ensure_ascii=False)
 
 
-def _without_dummy_prefix(spec: dict) -> Tokenizer:
-    """The tokenizer of `spec` without SentencePiece's dummy prefix: prompts
-    are encoded in separate chunks, and each would otherwise gain a leading
-    space (and the decoder would strip a real one). A space the text has is
-    still a "\u2581" on the word after it, as in training."""
-    spec = dict(spec)
+def _without_dummy_prefix(tokenizer: Tokenizer, spec: dict) -> Tokenizer:
+    """`tokenizer` without SentencePiece's dummy prefix: prompts are encoded
+    in separate chunks, and each would otherwise gain a leading space (and the
+    decoder would strip a real one). A space the text has is still a "\u2581"
+    on the word after it, as in training. `spec`: its components' JSON; those
+    that change are replaced in `tokenizer` (Gemma's have no prefix to drop)."""
 
     def strip(component: dict | None, drop: set[str]) -> dict | None:
         if component is None:
@@ -109,10 +115,17 @@ def _without_dummy_prefix(spec: dict) -> Tokenizer:
             return {**component, "prepend_scheme": "never", "add_prefix_space": False}
         return component
 
-    spec["normalizer"] = strip(spec.get("normalizer"), {"Prepend"})
-    spec["pre_tokenizer"] = strip(spec.get("pre_tokenizer"), set())
-    spec["decoder"] = strip(spec.get("decoder"), {"Strip"})
-    return Tokenizer.from_str(json.dumps(spec))
+    stripped = {"normalizer": strip(spec["normalizer"], {"Prepend"}),
+                "pre_tokenizer": strip(spec["pre_tokenizer"], set()), "decoder": strip(spec["decoder"], {"Strip"})}
+    changed = {key: value for key, value in stripped.items() if value != spec[key]}
+    if changed:
+        # The changed components, read by a tokenizer of no vocabulary, then moved over.
+        carrier = Tokenizer.from_str(json.dumps({
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "post_processor": None,
+            "model": {"type": "BPE", "vocab": {}, "merges": []}, **{key: None for key in stripped}, **changed}))
+        for key in changed:
+            setattr(tokenizer, key, getattr(carrier, key))
+    return tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:

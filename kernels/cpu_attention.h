@@ -128,6 +128,31 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 1 / (1 + e^-x), from e^-|x| (never overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below.
+inline __m512 sigmoid512(__m512 x) {
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_div_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), one, e),
+                       _mm512_add_ps(one, e));
+}
+#endif
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+// s -> cap * tanh(s / cap) in place (Gemma 2's attention scores): tanh(y) = 2 sigmoid(2y) - 1.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 c = _mm512_set1_ps(cap), two_over_c = _mm512_set1_ps(2.f / cap), one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 sig = sigmoid512(_mm512_mul_ps(_mm512_loadu_ps(s + j), two_over_c));
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(c, _mm512_fmsub_ps(_mm512_set1_ps(2.f), sig, one)));
+  }
+#endif
+  for (; j < n; ++j) s[j] = cap * (2.f * sigmoid(2.f * s[j] / cap) - 1.f);
+}
+
 // s[j] = e^(s[j] - top) in place; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float top) {
   int64_t j = 0;
@@ -182,7 +207,9 @@ inline void weighted_sum(const float* p, const KV* const* rows, int64_t n, int64
 }
 
 // Each new token t (row t / tokens_per_row) attends over the first context_lens[t]
-// positions of its row, read through the row's block table; fp32 math.
+// positions of its row, read through the row's block table, or with a `window`
+// only the last `window` of them; fp32 math. softcap > 0: scores s (scaled by
+// 1 / sqrt(hd)) become softcap * tanh(s / softcap) before the softmax.
 // Flash-decoding split: a row's context is cut into `parts` spans, each span
 // read once for all its new tokens and heads (a position's K/V rows of every
 // head are contiguous in the pool, so a span streams, and stays in L2 while its
@@ -206,11 +233,26 @@ template <typename KV>
 inline void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads,
             int64_t hd,
             const KV* kpool, const KV* vpool, const int32_t* tables, int64_t table_width,
-            const int32_t* context_lens, int64_t tokens_per_row, int64_t block_size, float* out) {
+            const int32_t* context_lens, int64_t tokens_per_row, int64_t block_size, int64_t window, float softcap,
+            float* out) {
   const int64_t group = heads / kv_heads, kv_stride = kv_heads * hd, seqs = rows / tokens_per_row;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  // Token t reads positions [key_begin[t], context_lens[t]): all before it, or its window's.
+  std::vector<int64_t> key_begin(rows, 0);
+  if (window > 0)
+    for (int64_t t = 0; t < rows; ++t) key_begin[t] = std::max<int64_t>(0, context_lens[t] - window);
+  // A row's span: from the first block any of its tokens reads to the last position.
+  std::vector<int64_t> row_first(seqs), row_end(seqs, 0);
   int64_t longest = 1;
-  for (int64_t t = 0; t < rows; ++t) longest = std::max<int64_t>(longest, context_lens[t]);
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    int64_t lo = key_begin[seq * tokens_per_row];
+    for (int64_t t = seq * tokens_per_row; t < (seq + 1) * tokens_per_row; ++t) {
+      lo = std::min(lo, key_begin[t]);
+      row_end[seq] = std::max<int64_t>(row_end[seq], context_lens[t]);
+    }
+    row_first[seq] = lo / block_size * block_size;
+    longest = std::max(longest, row_end[seq] - row_first[seq]);
+  }
   // spans of at least 64 positions, whole blocks, enough of them to keep every thread busy
   const int64_t want = std::max<int64_t>(1, 2 * workers.threads() / std::max<int64_t>(1, seqs));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, longest / 64));
@@ -224,9 +266,8 @@ inline void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row
     std::vector<const KV*> vrows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / parts, part = item % parts, t0 = seq * tokens_per_row;
-      int64_t n = 0;  // the longest context among the row's new tokens
-      for (int64_t t = t0; t < t0 + tokens_per_row; ++t) n = std::max<int64_t>(n, context_lens[t]);
-      const int64_t first = part * span_blocks * block_size, last = std::min(n, first + span_blocks * block_size);
+      const int64_t first = row_first[seq] + part * span_blocks * block_size;
+      const int64_t last = std::min(row_end[seq], first + span_blocks * block_size);
       if (first >= last) continue;
       const int64_t count = last - first;
       const int32_t* table = tables + seq * table_width;
@@ -248,7 +289,7 @@ inline void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row
           k4[c] = kpool + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * kv_stride;
         }
         for (int64_t u = 0; u < tokens_per_row; ++u) {
-          if (j >= context_lens[t0 + u]) continue;  // past this token's causal end
+          if (j >= context_lens[t0 + u] || j + n4 <= key_begin[t0 + u]) continue;  // outside this token's keys
           for (int64_t h = 0; h < heads; ++h) {
             float s4[4];
             const int64_t off = (h / group) * hd;
@@ -262,16 +303,19 @@ inline void attend(Workers& workers, const float* qkv, int64_t rows, int64_t row
       for (int64_t j = first; j < last; ++j)
         vrows[j - first] = vpool + (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * kv_stride;
       for (int64_t u = 0; u < tokens_per_row; ++u) {
-        const int64_t mine = std::min<int64_t>(last, context_lens[t0 + u]) - first;  // this token's positions here
+        // this token's positions here: [from, from + mine)
+        const int64_t from = std::max(first, key_begin[t0 + u]);
+        const int64_t mine = std::min<int64_t>(last, context_lens[t0 + u]) - from;
         if (mine <= 0) continue;
         const int64_t at = ((t0 + u) * parts + part) * heads;
         for (int64_t h = 0; h < heads; ++h) {
-          float* sc = scores.data() + (u * heads + h) * count;
+          float* sc = scores.data() + (u * heads + h) * count + (from - first);
+          if (softcap > 0.f) soft_cap(sc, mine, softcap);
           float top = -INFINITY;
           for (int64_t j = 0; j < mine; ++j) top = std::max(top, sc[j]);
           part_max[at + h] = top;
           part_sum[at + h] = exp_shifted(sc, mine, top);
-          weighted_sum(sc, vrows.data(), mine, (h / group) * hd, hd, part_acc.data() + (at + h) * hd);
+          weighted_sum(sc, vrows.data() + (from - first), mine, (h / group) * hd, hd, part_acc.data() + (at + h) * hd);
         }
       }
     }

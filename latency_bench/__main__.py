@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay", "the keystroke replay alone, against a server already running"),
     "keystroke-report": ("keystroke_report", "the keystroke replay's table, plots and pages from a saved run"),
     "cpu-decode": ("cpu_decode_bench", "CPU decode and prefill per precision, llama.cpp at matched precision"),
+    "real-sizes": ("real_sizes", "Qwen2.5-Coder 0.5B/1.5B/3B shapes (random weights): speed and memory vs llama.cpp"),
     "critical-path": ("critical_path", "where one editor's keystroke milliseconds go, p50/p90/p99"),
     "fused-quality": ("fused_quality", "first-line exact match with the fused CPU layer and with torch's ops"),
     "kquant-quality": ("kquant_quality", "K-quant and Q8_0 GGUFs on the int4/int8 paths: the loss against the file"),

@@ -2,7 +2,7 @@
 `llama-server` on the same weights (the default SmolLM2-135M) at matched
 precision, side by side in one run. Prints a table; writes JSON.
 
-    python -m latency_bench llama-peer build   # once: llama-server from source (cached)
+    python -m latency_bench llama-peer build   # once: llama-server (and llama-quantize) from source (cached)
     python -m latency_bench cpu-decode         # ~15 min on 2 cores -> docs/results/cpu_decode_bench.json
     python -m latency_bench cpu-decode --rows fp32 int4 llama_q4_1 --reps 1 --tokens 8 --cases 2 --out /tmp/c.json
 

@@ -10,8 +10,10 @@ model at the precision completer resolves to (`model.precision`).
     python -m latency_bench llama-peer build [--version V] [--jobs 2]
     python -m latency_bench llama-peer gguf --type f32|f16|bf16|q8_0 [--source P] [--out P]
 
-The bench imports `server_binary`, `matched_gguf` and `llama_server`; importing
-this needs neither torch nor gguf/numpy.
+The benches import `server_binary`, `matched_gguf` and `llama_server`
+(`real_sizes.py` also `quantize_binary`: the build makes `llama-quantize` too,
+for the K-quants gguf-py cannot write); importing this needs neither torch nor
+gguf/numpy.
 
 One file a little past 300 lines: building the peer, writing its GGUFs and
 running it are the one peer a benchmark starts.
@@ -58,12 +60,24 @@ def build_root(version: str = DEFAULT_VERSION) -> Path:
     return cache_dir() / "llama.cpp" / version
 
 
-def server_binary(version: str = DEFAULT_VERSION, *, must_exist: bool = True) -> Path:
-    path = build_root(version) / "build" / "bin" / "llama-server"
+# What `build` makes: the server, and the quantizer (K-quants such as Q4_K_M, which gguf-py cannot write).
+TARGETS = ("llama-server", "llama-quantize")
+
+
+def _binary(name: str, version: str, must_exist: bool) -> Path:
+    path = build_root(version) / "build" / "bin" / name
     if must_exist and not path.is_file():
-        raise FileNotFoundError(f"no llama-server {version} at {path}; build it: "
+        raise FileNotFoundError(f"no {name} {version} at {path}; build it: "
                                 f"python -m latency_bench llama-peer build --version {version}")
     return path
+
+
+def server_binary(version: str = DEFAULT_VERSION, *, must_exist: bool = True) -> Path:
+    return _binary("llama-server", version, must_exist)
+
+
+def quantize_binary(version: str = DEFAULT_VERSION, *, must_exist: bool = True) -> Path:
+    return _binary("llama-quantize", version, must_exist)
 
 
 # ---------------------------------------------------------------- build
@@ -105,8 +119,10 @@ def _extract(sdist: Path, dest: Path, out) -> bool:
 
 
 def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
+    """Every target of TARGETS (a build tree that has some builds only the others); the server's path."""
     binary = server_binary(version, must_exist=False)
-    if binary.is_file():
+    missing = [t for t in TARGETS if not _binary(t, version, False).is_file()]
+    if not missing:
         print(binary)
         return binary
     root, started = build_root(version), time.monotonic()
@@ -122,6 +138,15 @@ def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
         sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
         _step("extract", logs / "extract.log", functools.partial(_extract, sdist, src))
     out = root / "build"
+    if not (out / "CMakeCache.txt").is_file():  # configured once; a later build adds the targets it lacks
+        _configure(src, out, logs)
+    _step(f"build {' '.join(missing)} (-j {jobs})", logs / f"build-{'+'.join(missing)}.log", _command(
+        ["cmake", "--build", str(out), *(a for t in missing for a in ("--target", t)), "-j", str(jobs)]))
+    _say(f"built {', '.join(missing)} in {time.monotonic() - started:.0f} s total")
+    return server_binary(version)
+
+
+def _configure(src: Path, out: Path, logs: Path) -> None:
     _step("configure", logs / "configure.log", _command([
         "cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(out),
         *(["-G", "Ninja"] if shutil.which("ninja") else []),
@@ -133,10 +158,6 @@ def build(version: str = DEFAULT_VERSION, jobs: int = 2) -> Path:
         # no web UI fetched from Hugging Face while building.
         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]))
-    _step(f"build llama-server (-j {jobs})", logs / "build.log", _command(
-        ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)]))
-    _say(f"built {binary} in {time.monotonic() - started:.0f} s total")
-    return server_binary(version)
 
 
 # ---------------------------------------------------------------- weights
@@ -228,6 +249,8 @@ def server_command(binary: Path, gguf: Path, *, port: int, threads: int, paralle
 # (seen: Q8_0 and Q4_1 on a Xeon with AMX, where the BF16 file starts fine)
 # and that therefore run with --no-repack: a benchmark reports it.
 STARTED_WITHOUT_REPACK: set[Path] = set()
+# The process id of the llama-server running at each URL `llama_server` yields (its memory: real_sizes.py).
+PIDS: dict[str, int] = {}
 
 
 @contextlib.contextmanager
@@ -255,8 +278,10 @@ def llama_server(gguf: Path, *, port: int, threads: int, parallel: int, ctx_per_
             proc = _start(server_command(binary, gguf, port=port, threads=threads, parallel=parallel,
                                          ctx_per_slot=ctx_per_slot, extra=extra), log)
             _wait_healthy(proc, url, log, timeout)
+        PIDS[url] = proc.pid
         yield url
     finally:
+        PIDS.pop(url, None)
         proc.terminate()
         try:
             proc.wait(10)

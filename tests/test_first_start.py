@@ -65,7 +65,7 @@ def test_a_first_start_then_the_readme_client_example_gives_a_whole_suggestion(t
         assert "; ready" in output, output
         # One progress display: the download first (an empty cache), then the load, in order, never going back.
         stages = [line for line in lines if line.startswith("starting: loading, ")]
-        assert "downloading the default model" in stages[0], output
+        assert "downloading the model" in stages[0], output
         assert any("loading the model" in s for s in stages) and any("starting the engine" in s for s in stages)
         percents = [int(re.search(r"loading, (\d+)%", s).group(1)) for s in stages]
         assert percents == sorted(percents), output

@@ -230,6 +230,57 @@ def test_default_model_auto_is_int4_exact(default_model):
                        .view(576, -1), gguf.tensor("blk.3.ffn_down.weight"))
 
 
+# Code as an editor sends it, for a SentencePiece vocabulary's corners: runs of
+# spaces, tabs and newlines (Gemma stores them as tokens of their own), digits,
+# unicode and bytes outside it (byte fallback), CRLF, the text of special and
+# user-defined tokens.
+GEMMA_SNIPPETS = [
+    "def area(r):\n    return 3.14159 * r ** 2  # résumé\n\n\nclass Point:\n    x: int = 0\n",
+    "\tif (a && b) {\n\t\treturn 42;\n\t}\n\t \t mixed\n",
+    " " * 45 + "deep = 1\n" + "\n" * 40 + "end",
+    "#include <stdio.h>\r\nint main(void) {\r\n    printf(\"%d\\n\", 1234567890);\r\n}\r\n",
+    "x = '東京' + \"Москва\" + 'naïve' + '🚀👍🏽' + '\u00a0\u2003\u200b'",
+    "<start_of_turn>user\n<bos><eos><pad><mask><unk><unused7> [multimodal] <s>strike</s> <code>x</code><end_of_turn>",
+    "<0x41> \x00\x01\x7f control bytes \ufffd",
+    "0.5e-3 == 1_000_000 and 2024-12-06T06:00:00Z; 0xDEADBEEF 1e100",
+    "   leading and trailing   ", "", " ", "\n", "a",
+]
+
+
+def test_real_gemma3_tokenizer_equals_transformers(gemma3_model, transformers_auto):
+    """Gemma 3 270M's SentencePiece vocabulary: our ids are transformers' from
+    the same GGUF (both with special-token text kept as text, as documents
+    are encoded, and both matching it, as transformers does by default), and
+    every text decodes back, token by token too (streaming)."""
+    import time
+
+    from completer.gguf_checkpoint import GgufFile
+    from completer.loading import detect_template
+
+    gguf = GgufFile(gemma3_model)
+    started = time.perf_counter()
+    ours = gguf.tokenizer()
+    built = time.perf_counter() - started
+    theirs = transformers_auto[1].from_pretrained(gemma3_model.parent, gguf_file=gemma3_model.name)
+    texts = GEMMA_SNIPPETS + corpus()
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False, split_special_tokens=True), text[:80]
+        assert ours.decode(ids) == text
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
+    ours.tokenizer.encode_special_tokens = False  # as transformers' default: special-token text matched whole
+    try:
+        for text in texts:
+            assert ours.tokenizer.encode(text).ids == theirs.encode(text), text[:80]
+    finally:
+        ours.tokenizer.encode_special_tokens = True
+    assert ours.sentencepiece_style and ours.vocab_size == 262_144 and ours.bos_ids() == [2]
+    assert {ours.token_id(t) for t in ("<eos>", "<start_of_turn>", "<end_of_turn>")} <= ours.special_ids
+    assert ours.encode("    return") == [ours.token_id("\u2581" * 4), ours.token_id("return")]
+    assert detect_template(ours) == "prefix"  # Gemma 3 has no fill-in-the-middle tokens
+    assert built < 20, f"building the tokenizer took {built:.1f} s"  # ~2 s on 2 busy cores; transformers ~30 s
+
+
 # -- errors: one line, naming the file and the cause ---------------------------
 
 def one_line(excinfo, path) -> str:
@@ -239,7 +290,7 @@ def one_line(excinfo, path) -> str:
 
 
 @pytest.mark.parametrize("written, cause", [
-    (dict(qtype=Q.F16, gguf_arch="gemma2"), "unsupported architecture 'gemma2'"),
+    (dict(qtype=Q.F16, gguf_arch="mamba"), "unsupported architecture 'mamba'"),
     (dict(qtype=Q.Q8_1), "is Q8_1, which the gguf reader cannot dequantize"),
     (dict(qtype=Q.F16, tokenizer_model="llama"), "tokenizer model 'llama' is not supported"),
 ], ids=["architecture", "quantization", "tokenizer"])

@@ -128,15 +128,20 @@ ATTN_ATOL = 2e-5  # fp32 both ways; only summation order and exp differ
 
 @pytest.mark.parametrize("partition,tile", [(512, 64), (8, 4), (12, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention(partition, tile, dtype):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (10, 0.0), (0, 1.5)], ids=["full", "sliding", "softcap"])
+def test_paged_decode_attention(partition, tile, dtype, window, softcap):
     B, Hq, Hkv, D, bs, blocks = 4, 6, 2, 24, 4, 40
     k_pool, v_pool = torch.randn(blocks * bs, Hkv, D), torch.randn(blocks * bs, Hkv, D)
     lens = torch.tensor([1, 4, 13, 29], dtype=torch.int32)  # 1 token, a full block, odd ones
     tables = torch.randperm(blocks)[: B * 8].view(B, 8).int()
     q = torch.randn(B, Hq, D).to(dtype)
     out = nan(B, Hq, D, dtype=dtype)
-    paged_decode_attention(q, k_pool, v_pool, tables, lens, bs, out=out, partition=partition, tile=tile)
-    ref = paged_decode_attention_torch(q, k_pool, v_pool, tables, lens, bs)
+    paged_decode_attention(q, k_pool, v_pool, tables, lens, bs, out=out, partition=partition, tile=tile,
+                           window=window, softcap=softcap)
+    ref = paged_decode_attention_torch(q, k_pool, v_pool, tables, lens, bs, window=window, softcap=softcap)
+    if window or softcap:  # the reference does what the option says: it differs from attending to all
+        plain = paged_decode_attention_torch(q, k_pool, v_pool, tables, lens, bs)
+        assert (plain.float() - ref.float()).abs().max() > 1e-2
     assert out.dtype == dtype and not out.isnan().any()
     rtol = 0 if dtype == torch.float32 else 2**-7  # bf16 output: one ulp of rounding
     torch.testing.assert_close(out.float(), ref.float(), atol=ATTN_ATOL, rtol=rtol)
@@ -163,10 +168,12 @@ def test_paged_attention_matches_the_torch_backend_decode_step():
     torch.testing.assert_close(got, expected[:, :, 0], atol=ATTN_ATOL, rtol=0)
 
 
-def test_triton_backend_matches_torch_backend_for_several_new_tokens():
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (4, 0.7)], ids=["full", "sliding", "both"])
+def test_triton_backend_matches_torch_backend_for_several_new_tokens(window, softcap):
     """A verify-like pass (rows of 3, 1 and 5 new tokens, padded to 5): the
     Triton backend writes the same K/V slots and attends causally among the
-    new tokens as the torch backend's gather + SDPA does."""
+    new tokens as the torch backend's gather + SDPA does (a sliding layer's
+    window, soft-capped scores too)."""
     cfg = tiny_config(vocab_size=10, intermediate_size=8, num_hidden_layers=1)
     bs = 4
     tables = [[3, 7, 1, 12], [5, 2, 9, 11], [6, 4, 8]]
@@ -181,8 +188,8 @@ def test_triton_backend_matches_torch_backend_for_several_new_tokens():
         pool.v.normal_()
     meta = AttentionMetadata.build(tables, [p - n + 1 for p, n in zip(last, num_new)], num_new, bs)
     assert torch.equal(meta.positions, positions)
-    expected = TorchAttention(pools[0], meta).attend(0, q, k, v, positions)
-    got = TritonAttention(pools[1], meta).attend(0, q, k, v, positions)
+    expected = TorchAttention(pools[0], meta).attend(0, q, k, v, positions, window, softcap)
+    got = TritonAttention(pools[1], meta).attend(0, q, k, v, positions, window, softcap)
     valid = torch.arange(5)[None, :] < torch.tensor(num_new)[:, None]  # padding queries are ignored
     torch.testing.assert_close(got.transpose(1, 2)[valid], expected.transpose(1, 2)[valid], atol=ATTN_ATOL, rtol=0)
     torch.testing.assert_close(pools[1].k, pools[0].k, atol=0, rtol=0)  # same slots written
@@ -219,11 +226,12 @@ AOT = textwrap.dedent("""
                     BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_warps=warps, num_stages=stages)
         assert "e4m3" in ptx and (bm < 64 or "wgmma" in ptx), "no fp8 tensor-core MMA"
     sig = dict(q_ptr="*bf16", k_ptr="*fp32", v_ptr="*fp32", tables_ptr="*i32", lens_ptr="*i32",
-               m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr="*bf16", scale="fp32",
-               **i32("block_size", "num_parts", "head_dim", "stride_qb", "stride_qh", "stride_kt",
+               m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr="*bf16", scale="fp32", softcap="fp32",
+               **i32("block_size", "num_parts", "head_dim", "window", "stride_qb", "stride_qh", "stride_kt",
                      "stride_kh", "stride_tb", "stride_ob", "stride_oh"))
-    for single in (True, False):
-        build(pa._paged_decode_kernel, sig, dict(GROUP=6, BLOCK_D=128, TILE=64, PARTITION=512, SINGLE=single))
+    for single, capped in ((True, False), (False, True)):
+        build(pa._paged_decode_kernel, sig, dict(GROUP=6, BLOCK_D=128, TILE=64, PARTITION=512, SINGLE=single,
+                                                 CAPPED=capped))
     build(pa._merge_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", o_ptr="*bf16",
           **i32("num_parts", "head_dim", "stride_ob", "stride_oh")), dict(BLOCK_D=128, BLOCK_P=8))
     print("compiled")

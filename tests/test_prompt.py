@@ -12,6 +12,8 @@ FAMILY_TOKENS = {
     "qwen2.5-coder": ["<|fim_pad|>", "<|repo_name|>", "<|im_end|>"],
     "starcoder": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"],
     "codellama": ["<PRE>", "<SUF>", "<MID>", "<EOT>", "</s>"],
+    "codegemma": ["<|file_separator|>", "<eos>", "<end_of_turn>"],
+    "deepseek-coder": ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>", "<|EOT|>"],
 }
 P, S = "def f(x):\n    return x", " + 1\n\nprint(f(2))\n"
 
@@ -78,6 +80,8 @@ def test_layout_per_template(toks, name):
         "qwen2.5-coder": [pre] + enc(P) + [suf] + enc(S) + [mid],
         "starcoder": [pre, suf] + enc(S) + [mid] + enc(P),
         "codellama": [pre] + sp + enc(P) + sp + [suf] + enc(S) + sp + [mid],
+        "codegemma": [pre] + enc(P) + [suf] + enc(S) + [mid],
+        "deepseek-coder": [pre] + enc(P) + [suf] + enc(S) + [mid],
     }[name]
     b = builder(toks, name)
     prompt = b.build(P, S)
@@ -88,6 +92,13 @@ def test_layout_per_template(toks, name):
         assert tk.decode(prompt.tokens) == f"<PRE> {P} <SUF>{S} <MID>"
         spm = builder(toks, name, order="spm").build(P, S)
         assert tk.decode(spm.tokens) == f"<PRE> <SUF>{S} <MID> {P}"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder", "codegemma", "deepseek-coder"])
+def test_family_is_detected_from_its_special_tokens(toks, name):
+    from completer.loading import detect_template
+
+    assert detect_template(toks[name]) == name
 
 
 def test_order_override_and_errors(toks):

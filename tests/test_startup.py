@@ -99,3 +99,26 @@ def test_a_model_that_fails_to_load_fails_before_listening(tmp_path):
     weights.write_bytes(weights.read_bytes()[:4096])
     error = refused("--model", str(model), "--set", "model.draft=\"\"", "--token", TOKEN)
     assert str(model) in error
+
+
+def test_models_that_do_not_fit_the_memory_given_stop_the_start():
+    """model.max_memory_gb: the weights (estimated from the shapes, at the
+    precision the start resolves) and the K/V pool against the budget, before
+    any weight is read."""
+    error = refused("--model", "embedded", "--token", TOKEN, "--set", "model.max_memory_gb=0.5")
+    assert error.startswith("error: model.max_memory_gb: the models need about "), error
+    assert "K/V pool 0.27" in error and "more than the 0.5 GB model.max_memory_gb" in error, error
+
+
+def test_the_memory_estimate_counts_what_each_precision_holds():
+    from completer.memory import model_bytes, projection_weights
+    from completer.model import ModelConfig
+
+    # Qwen2.5-Coder-3B's shape (tied embeddings): 2.77e9 projection weights, 151,936 x 2048 rows
+    cfg = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+                      max_position_embeddings=32768, tie_word_embeddings=True)
+    assert projection_weights(cfg) == 36 * (2048 * (2048 + 512) + 2048 * 2048 + 3 * 2048 * 11008)
+    assert model_bytes(cfg, "fp32") == 4 * (projection_weights(cfg) + 151936 * 2048)  # the head is the embedding
+    lean, served = model_bytes(cfg, "int4", 0, fused_cpu=False), model_bytes(cfg, "int4", 32, fused_cpu=True)
+    assert 5e9 < lean < 6e9 and served > lean + 2 * projection_weights(cfg)  # + the dense copy and the fused blocks

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from completer.engine.paged_kv import KVPool
-from completer.model import attention_fp32
+from completer.model import attention_fp32, causal_mask
 
 
 class AttentionMetadata:
@@ -130,31 +130,39 @@ class TorchAttention(PagedAttention):
             self.read_slots = (tables[:, :, None] * bs + offsets).flatten(1)[:, :span].contiguous()
         # One row needs no mask to decode one token (it sees everything), and none
         # to prefill from position 0 (plain causal: SDPA's fast kernel).
-        self.causal = B == 1 and T == span and T > 1
-        self.mask = None
-        if not (B == 1 and (T == 1 or self.causal)):
-            keys = torch.arange(span, device=tables.device)[None, None, None, :]
-            self.mask = keys <= meta.positions[:, None, :, None]  # [B, 1, T, S]
+        causal = B == 1 and T == span and T > 1
+        mask = None if B == 1 and (T == 1 or causal) else causal_mask(meta.positions, span)  # [B, 1, T, S]
+        self.masks: dict[int, tuple[torch.Tensor | None, bool]] = {0: (mask, causal)}  # by window
+
+    def masking(self, window: int) -> tuple[torch.Tensor | None, bool]:
+        """(mask, causal) for a layer reading `window` keys back (0: all)."""
+        if window >= self.meta.max_context:
+            window = 0  # no query reaches past it
+        if window not in self.masks:
+            self.masks[window] = (causal_mask(self.meta.positions, self.meta.max_context, window), False)
+        return self.masks[window]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         kp, vp = self.write_kv(layer, k, v)
+        mask, causal = self.masking(window)
         if self.meta.row_slices is not None:
-            return self._attend_slices(q, kp, vp)
+            return self._attend_slices(q, kp, vp, mask, causal, softcap)
         B, S = self.read_slots.shape  # index_select: faster than [] indexing on CPU
         flat = self.read_slots.flatten()
         keys = kp.index_select(0, flat).view(B, S, *kp.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
         values = vp.index_select(0, flat).view(B, S, *vp.shape[1:]).transpose(1, 2)
-        return attention_fp32(q, keys, values, self.mask, causal=self.causal)
+        return attention_fp32(q, keys, values, mask, causal, softcap)
 
-    def _attend_slices(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> torch.Tensor:
+    def _attend_slices(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor | None,
+                       causal: bool, softcap: float) -> torch.Tensor:
         """Each row over its context read in place: a view of the pool, no copy."""
         outs = []
         for b, (first, length) in enumerate(self.meta.row_slices):
             keys = kp[first: first + length].unsqueeze(0).transpose(1, 2)  # [1, Hkv, S, D]
             values = vp[first: first + length].unsqueeze(0).transpose(1, 2)
-            mask = None if self.mask is None else self.mask[b: b + 1, :, :, :length]
-            outs.append(attention_fp32(q[b: b + 1], keys, values, mask, causal=self.causal))
+            row_mask = None if mask is None else mask[b: b + 1, :, :, :length]
+            outs.append(attention_fp32(q[b: b + 1], keys, values, row_mask, causal, softcap))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -168,12 +176,12 @@ class TritonAttention(PagedAttention):
         self.query_tables = meta.block_tables if T == 1 else meta.block_tables.repeat_interleave(T, 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         from completer_kernels.paged_attention import paged_decode_attention
 
         kp, vp = self.write_kv(layer, k, v)
         B, H, T, D = q.shape
         queries = q.transpose(1, 2).reshape(B * T, H, D).float().contiguous()
         out = paged_decode_attention(queries, kp, vp, self.query_tables, self.meta.context_lens,
-                                     self.pool.block_size)
+                                     self.pool.block_size, window=window, softcap=softcap)
         return out.view(B, T, H, D).transpose(1, 2).to(q.dtype)

@@ -8,6 +8,11 @@ fused layer reads the same paged K/V pool and block tables as
 `TorchAttention`, so the model runner switches per pass: up to `MAX_TOKENS`
 rows x tokens here, longer prefills through torch (its bf16 GEMMs win there).
 
+Every family model.py serves runs here (the layer takes their norms, MLPs,
+activations, q/k norms, sandwich norms, soft caps and sliding windows as
+options); embedding and logit scales stay in Python (`Transformer.embed`,
+`Transformer.logits`).
+
 Int4 targets (`model.precision = "int4"`, the CPU default): the layer's
 GEMMs are Q4_1 x Q8, llama.cpp's CPU math (`engine.fused_cpu_q8`, default;
 on AVX512-VNNI the weights are packed in tiles of 16 rows for it), or Q4_1 x
@@ -54,8 +59,12 @@ class FusedCpuLayers:
             raise FusedUnsupported("the fused layer takes int4 or int8 projections, not a float model")
         ext = extension()  # FusedUnavailable: no compiler here
         self.model = model
-        self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                    cfg.rms_norm_eps, q8, threads or torch.get_num_threads())
+        try:  # (the layer names a norm, an activation or an MLP it has no code for)
+            self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.rms_norm_eps, q8, threads or torch.get_num_threads(), norm=cfg.norm,
+                                        activation=cfg.activation, mlp=cfg.mlp, softcap=cfg.attn_softcap)
+        except RuntimeError as e:
+            raise FusedUnsupported(f"the fused layer has {e} ({cfg.architecture})") from None
 
         tiles = q8 and ext.simd() == "avx512-vnni"  # the layout VNNI multiplies without reductions
 
@@ -79,13 +88,30 @@ class FusedCpuLayers:
             except ValueError as e:  # a width that is not a multiple of 64
                 raise FusedUnsupported(str(e)) from None
 
+        def norm(module: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            """A norm's weight and bias (LayerNorm's), fp32; None for none."""
+            if module is None:
+                return None
+            bias = getattr(module, "bias", None)
+            return module.weight.detach().float(), None if bias is None else bias.detach().float()
+
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv_proj is None or mlp.gate_up_proj is None:
+            up = mlp.gate_up_proj if mlp.gated else mlp.up_proj  # gated: gate and up side by side
+            if attn.qkv_proj is None or up is None:
                 raise FusedUnsupported("the fused layer needs fused projections (model.fuse_projections)")
-            self.impl.add_layer(layer.input_layernorm.weight.detach().float(), *packed(attn.qkv_proj),
-                                *packed(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
-                                *packed(mlp.gate_up_proj), *packed(mlp.down_proj))
+            # HF's names: with sandwich norms post_attention_layernorm norms attention's output and
+            # pre_feedforward_layernorm the MLP's input; without, post_attention_layernorm is the latter.
+            sandwich = layer.sandwich
+            self.impl.add_layer(
+                norm(layer.input_layernorm), packed(attn.qkv_proj), packed(attn.o_proj),
+                norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                packed(up), packed(mlp.down_proj),
+                q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach().float(),
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach().float(),
+                attn_out_norm=norm(layer.post_attention_layernorm if sandwich else None),
+                mlp_out_norm=norm(layer.post_feedforward_layernorm if sandwich else None),
+                window=attn.window)
 
         if not isinstance(model.lm_head, Int8Linear):
             raise FusedUnsupported(f"the fused layer takes an int8 output head, not {type(model.lm_head).__name__}")
@@ -122,12 +148,14 @@ class FusedCpuLayers:
         at meta.positions; None before each layer, then [B, T, d], final norm applied."""
         model = self.model
         B, T = tokens.shape
-        x = model.model.embed_tokens(tokens.flatten()).float().contiguous()
-        cos, sin = (c.view(B * T, -1).contiguous() for c in model.rope(meta.positions))
+        x = model.embed(tokens).float().contiguous()
+        ropes = {local: tuple(c.view(B * T, -1).contiguous() for c in rope)
+                 for local, rope in model.ropes(meta.positions).items()}
         for layer in range(len(model.model.layers)):
             yield None
             if interrupted is not None and interrupted():
                 raise PassInterrupted
+            cos, sin = ropes[model.model.layers[layer].self_attn.local_rope]
             self.impl.forward(layer, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, T,
                               pool.k[layer], pool.v[layer], pool.block_size)
             if layer_written is not None:

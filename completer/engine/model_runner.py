@@ -63,8 +63,9 @@ class ModelRunner:
         (without YaRN's scale, which they already carry), values as they are."""
         src = torch.tensor(src_slots, device=self.device)
         dst = torch.tensor(dst_slots, device=self.device)
-        angles = shift * self.model.inv_freq.float()
-        angles = torch.cat((angles, angles))
+        layers = range(self.pool.k.shape[0])  # each layer turned by its own frequencies (Gemma 3's differ)
+        angles = shift * torch.stack([self.model.layer_inv_freq(layer).float() for layer in layers])
+        angles = torch.cat((angles, angles), -1)[:, None, None, :]  # [layers, 1, 1, head dim]
         k = self.pool.k.index_select(1, src).float()  # [layers, n, kv heads, head dim]
         self.pool.k.index_copy_(1, dst, apply_rope(k, angles.cos(), angles.sin()).to(self.pool.k.dtype))
         self.pool.v.index_copy_(1, dst, self.pool.v.index_select(1, src))
