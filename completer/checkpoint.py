@@ -348,7 +348,8 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales
         model.fuse_projections()
     if precision in CPU_PRECISIONS:
         try:
-            quantize_cpu_linears(model, precision, int4_groups)
+            quantize_cpu_linears(model, precision, None if int4_groups is None else {
+                f"model.layers.{i}.{name}": g for i in range(cfg.num_hidden_layers) for name, g in int4_groups(i).items()})
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
     return model
