@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from completer import architectures
-from completer.cpu_quant import CPU_PRECISIONS, quantize_cpu_linears
+from completer.cpu_quant import CPU_PRECISIONS, MIXED, int8_fused_here, quantize_cpu_linears
 from completer.fp8 import load_fp8_weights, quantize_linears
-from completer.gguf_checkpoint import GgufFile, LazyTensor, open_gguf
+from completer.gguf_checkpoint import INT4_GROUP_TYPES, GgufFile, LazyTensor, open_gguf
 from completer.model import CheckpointError, ModelConfig, RopeScaling, Transformer
 from completer.tokenizer import TextTokenizer, write_tokenizer_config
 
@@ -111,21 +112,47 @@ def weight_files(directory: Path) -> list[Path]:
 
 
 def resolve_precision(precision: str, device: str | torch.device = "cpu", source: str | Path | None = None) -> str:
-    """"auto": on a CPU, int4 for a GGUF whose layers are stored as Q4_1 (the
-    default model: its groups come back exactly, so int4 serves the weights as
-    shipped, and it streams the fewest bytes: the fastest CPU precision
-    measured, BENCHMARKS.md); else bf16 where the hardware computes in it
-    natively (CUDA; CPUs with AVX512-BF16 or AMX, where bf16 halves weight
-    traffic and doubles matmul rate; measured on the default target: the same
-    bits per byte as fp32), fp32 elsewhere (emulated bf16 is slower than fp32)."""
+    """"auto": bf16 on CUDA. On a CPU, for a GGUF whose layers are quantized,
+    `gguf_cpu_precision` of its types (int4 for the default model, Q4_1: its
+    groups come back exactly, so int4 serves the weights as shipped, and it
+    streams the fewest bytes: the fastest CPU precision measured,
+    BENCHMARKS.md); else bf16 where the hardware computes in it natively
+    (CPUs with AVX512-BF16 or AMX, where bf16 halves weight traffic and
+    doubles matmul rate; measured on the default target: the same bits per
+    byte as fp32), fp32 elsewhere (emulated bf16 is slower than fp32)."""
     if precision != "auto":
         return precision
     if torch.device(device).type == "cuda":
         return "bf16"
     if source is not None and is_gguf(Path(source)) and Path(source).is_file():
-        if open_gguf(source).layer_weights_type() == "Q4_1":
-            return "int4"
+        chosen = gguf_cpu_precision(open_gguf(source).layer_weights_types(), int8_fused_here())
+        if chosen is not None:
+            return chosen
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
+# Quantized types with more than 4 bits a weight: served as int8 (one scale a
+# row, 7 bits), which loses less than requantizing them to int4 (docs/models.md).
+WIDER_QUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def gguf_cpu_precision(types: dict[str, int], int8_fused: bool) -> str | None:
+    """The CPU precision for a GGUF whose layers' matrices are stored as
+    `types` (type -> how many), or None (a float precision):
+    - all 4-bit groups (Q4_0, Q4_1, Q4_K): int4, every matrix exact;
+    - all quantized, some wider (Q5_0 .. Q8_0), where int8 runs in the fused
+      layer (`int8_fused`, AVX512-VNNI): int4+int8 (the 4-bit groups exact,
+      the rest int8), or int8 when none are 4-bit groups;
+    - elsewhere, mostly 4-bit groups: int4 (the wider matrices requantized;
+      int8 would take the whole model off the fused layer); else None."""
+    total = sum(types.values())
+    four = sum(n for kind, n in types.items() if kind in INT4_GROUP_TYPES)
+    wider = sum(n for kind, n in types.items() if kind in WIDER_QUANT_TYPES)
+    if total and four == total:
+        return "int4"
+    if total and int8_fused and four + wider == total:
+        return MIXED if four else "int8"
+    return "int4" if 2 * four > total else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -152,8 +179,8 @@ def load_model(path: str | Path, precision: str = "fp32", device: str | torch.de
                target: Transformer | None = None, fuse: bool = False) -> Transformer:
     """An HF checkpoint directory or a GGUF file. precision: auto, fp32, bf16,
     fp16, fp8 (projections as completer.fp8.Fp8Linear, the rest bf16), or on
-    CPU int8 / int4 (projections and head as completer.cpu_quant's, the rest
-    fp32). `target`: the model a drafter with `embedding_from_target` drafts
+    CPU int8 / int4 / int4+int8 (projections and head as completer.cpu_quant's,
+    the rest fp32). `target`: the model a drafter with `embedding_from_target` drafts
     for. `fuse`: q/k/v and gate/up as one projection each (serving)."""
     path = Path(path)
     if is_gguf(path):
@@ -180,7 +207,8 @@ def _load_gguf(gguf: GgufFile, precision: str, device, fuse: bool = False) -> Tr
     state = gguf.lazy_state_dict(cfg)
     _check_shapes(_expected_shapes(cfg), state, gguf.path)
     _rewrite(state, rewrite, cfg.qk_norm, gguf.path)
-    model = _build(cfg, state, {}, precision, device, gguf.path, fuse)
+    groups = functools.partial(gguf.int4_groups_of_layer, cfg, rewrite) if precision in CPU_PRECISIONS else None
+    model = _build(cfg, state, {}, precision, device, gguf.path, fuse, groups)
     factors = gguf.rope_freq_factors()
     if factors is not None:
         model.inv_freq = model.inv_freq / factors.to(model.inv_freq)
@@ -273,11 +301,14 @@ def _read(tensor: torch.Tensor | LazyTensor, dtype: torch.dtype | None, device) 
 
 
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales: dict[str, torch.Tensor],
-           precision: str, device, source: Path, fuse: bool = False) -> Transformer:
+           precision: str, device, source: Path, fuse: bool = False,
+           int4_groups: Callable[[int], dict[str, tuple]] | None = None) -> Transformer:
     """The model from its tensors, a layer at a time (each read, cast, fused
     and quantized before the next is read: loading holds the served weights
     and one layer's fp32 ones, never the whole model's twice); with FP8
-    weights or at fp8, the whole model first, then converted."""
+    weights or at fp8, the whole model first, then converted. `int4_groups`:
+    layer -> the 4-bit groups a GGUF stores for its projections
+    (`GgufFile.int4_groups_of_layer`), which quantize_cpu_linears takes as they are."""
     precision = resolve_precision(precision, device)
     if precision in CPU_PRECISIONS and torch.device(device).type != "cpu":
         raise CheckpointError(f"precision {precision!r} runs on CPU only (on {device}: fp8 or bf16)")
@@ -296,7 +327,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales
         model = Transformer(cfg)
     if not fp8_weights and precision != "fp8":
         try:
-            return _build_by_layer(model, state, precision, dtype, device, fuse)
+            return _build_by_layer(model, state, precision, dtype, device, fuse, int4_groups)
         except ValueError as e:  # a width int4's groups do not divide
             raise CheckpointError(f"{source}: {e}") from None
     state = {name: _read(tensor, None, device) for name, tensor in state.items()}
@@ -317,14 +348,16 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor | LazyTensor], scales
         model.fuse_projections()
     if precision in CPU_PRECISIONS:
         try:
-            quantize_cpu_linears(model, precision)
+            quantize_cpu_linears(model, precision, None if int4_groups is None else {
+                f"model.layers.{i}.{name}": g for i in range(cfg.num_hidden_layers) for name, g in int4_groups(i).items()})
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
     return model
 
 
 def _build_by_layer(model: Transformer, state: dict[str, torch.Tensor | LazyTensor], precision: str,
-                    dtype: torch.dtype, device, fuse: bool) -> Transformer:
+                    dtype: torch.dtype, device, fuse: bool,
+                    int4_groups: Callable[[int], dict[str, tuple]] | None = None) -> Transformer:
     """`_build` a layer at a time: its tensors read and cast (they become
     the layer's own: `assign`), then fused and quantized, then the next.
     Raises ValueError where a CPU precision cannot take a width."""
@@ -338,7 +371,7 @@ def _build_by_layer(model: Transformer, state: dict[str, torch.Tensor | LazyTens
             layer.self_attn.fuse()
             layer.mlp.fuse()
         if precision in CPU_PRECISIONS:
-            quantize_cpu_linears(layer, precision)
+            quantize_cpu_linears(layer, precision, int4_groups(i) if int4_groups else None)
     model.load_state_dict({name: _read(t, dtype, device) for name, t in state.items()}, strict=False, assign=True)
     state.clear()
     if model.config.tie_word_embeddings:

@@ -14,7 +14,7 @@ from completer.cluster import ray_start
 from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
-PRECISIONS = ["auto", "fp32", "bf16", "fp8", "int8", "int4"]
+PRECISIONS = ["auto", "fp32", "bf16", "fp8", "int8", "int4", "int4+int8"]
 
 if TYPE_CHECKING:  # imported where used: `completer --help` stays quick
     from completer.config import Config
@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="target: a GGUF file, an HF checkpoint directory, 'default', "
                                    "'gemma3-270m' or 'embedded' (sets model.target)")
     p.add_argument("--precision", choices=PRECISIONS,
-                   help="weights precision (auto: bf16 where native; fp8 is emulated on CPU; int8/int4: CPU only)")
+                   help="weights precision (auto: bf16 where native, a quantized GGUF on CPU int4/int8 as stored; "
+                        "fp8 is emulated on CPU; int8/int4/int4+int8: CPU only)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set spec.ngram=false")
     p.add_argument("--cluster", action="store_const", const=True, default=None,

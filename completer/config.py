@@ -26,8 +26,9 @@ from completer.engine.request import Mode
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "default"  # a named model fetched once ("default": SmolLM2-135M; "gemma3-270m"), "embedded", a path
     draft: str = "default"  # "default" (the drafter made for the target, if any), "embedded", a path, "" for none
-    # auto: bf16 where native, else fp32; int8 / int4: CPU quantized weights (completer/cpu_quant.py)
-    precision: Literal["auto", "fp32", "bf16", "fp8", "int8", "int4"] = "auto"
+    # auto: bf16 where native, else fp32 (a quantized GGUF on CPU: int4, int8 or int4+int8, docs/models.md);
+    # int8 / int4 / int4+int8: CPU quantized weights (completer/cpu_quant.py)
+    precision: Literal["auto", "fp32", "bf16", "fp8", "int8", "int4", "int4+int8"] = "auto"
     fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (false: HF's seven per layer)
     device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
     template: str = ""  # FIM template; "" detects it from the tokenizer

@@ -19,6 +19,12 @@ bytes moved: int8 moves a quarter of fp32's, int4 an eighth.
 Embeddings, norms, attention and the KV cache stay fp32. The output head is
 int8 in both (a fifth of a small model's bytes; a Q4_1 GGUF keeps it Q8_0
 too).
+
+A GGUF's matrices stored as 4-bit groups (Q4_0, Q4_1, Q4_K) become Int4Linear
+from the file's own groups (`GgufFile.int4_groups`): the weights as shipped,
+bit for bit. "int4+int8" (what "auto" picks for a GGUF that mixes them with
+5- to 8-bit types, docs/models.md) serves those as int4 and every other
+projection as int8.
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ from torch import nn
 
 from completer.fp8 import FUSED_NAMES, LINEAR_NAMES
 
-CPU_PRECISIONS = ("int8", "int4")
+MIXED = "int4+int8"  # projections stored as 4-bit groups as int4, the others int8
+CPU_PRECISIONS = ("int8", "int4", MIXED)
 INT4_GROUP = 32  # Q4_1's block
+# Transformer.fuse_projections' concatenations, in its order (rows: outputs).
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 
@@ -176,13 +185,23 @@ class Int4Linear(nn.Module):
 
     GEMV_ROWS = 128
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP,
+                 groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """`groups`: (q in 0..15 [N, K], scale, minimum [N, K / group]) to take
+        as they are (a GGUF's own, `GgufFile.int4_groups`) instead of
+        `int4_groups(weight)`; `weight` then only gives the shape."""
         super().__init__()
         self.compute_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
         self.out_features, self.in_features = weight.shape
         if self.in_features % group:
             raise ValueError(f"int4: input width {self.in_features} is not a multiple of the group {group}")
-        q, scale, low = int4_groups(weight, group)
+        if groups is None:
+            q, scale, low = int4_groups(weight, group)
+        else:
+            q, scale, low = groups[0].to(torch.int32), groups[1].float(), groups[2].float()
+            if tuple(q.shape) != tuple(weight.shape) or tuple(scale.shape) != (q.shape[0], q.shape[1] // group):
+                raise ValueError(f"int4: groups {tuple(q.shape)} / {tuple(scale.shape)} do not fit "
+                                 f"a {tuple(weight.shape)} weight in groups of {group}")
         self.group = group
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         # torch's kernel computes (q - 8) * scale + zero: zero is the group's middle.
@@ -241,13 +260,57 @@ def keep_dense_int4(model: nn.Module, rows: int) -> int:
     return sum(m.keep_dense(rows) for m in model.modules() if isinstance(m, Int4Linear))
 
 
-def quantize_cpu_linears(model: nn.Module, precision: str) -> nn.Module:
-    """Every projection (fused or not) as `precision` ("int8" or "int4")
-    linears and the output head as int8, in place; returns the model."""
-    kind = {"int8": Int8Linear, "int4": Int4Linear}[precision]
-    for module in list(model.modules()):
+def quantize_cpu_linears(model: nn.Module, precision: str,
+                         groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
+    """Every projection (fused or not) as `precision` linears ("int8",
+    "int4", or MIXED: int4 where `groups` has every part, else int8) and the
+    output head as int8, in place; returns the model. `groups`: a module's
+    name in `model` before fusing (in a layer: "self_attn.q_proj") -> its stored
+    4-bit groups (q, scale, minimum) in the model's row order: an int4
+    projection takes the rows of its parts that have them as they are (the
+    file's weights exactly), the others' groups from their weights."""
+    if precision not in CPU_PRECISIONS:
+        raise KeyError(precision)
+    groups = groups or {}
+    for path, module in list(model.named_modules()):
         for name in LINEAR_NAMES + FUSED_NAMES + ("lm_head",):
             child = getattr(module, name, None)
-            if isinstance(child, nn.Linear):
-                setattr(module, name, (Int8Linear if name == "lm_head" else kind)(child.weight, child.bias))
+            if not isinstance(child, nn.Linear):
+                continue
+            if name == "lm_head":
+                setattr(module, name, Int8Linear(child.weight, child.bias))
+                continue
+            parts = [groups.get(f"{path}.{part}" if path else part) for part in FUSED_PARTS.get(name, (name,))]
+            int4 = precision == "int4" or (precision == MIXED and None not in parts)
+            stored = None
+            if int4 and any(g is not None for g in parts):
+                pieces, start = [], 0
+                for g, rows in zip(parts, _part_rows(module, name, child.out_features)):
+                    pieces.append(int4_groups(child.weight[start:start + rows]) if g is None else g)
+                    start += rows
+                stored = tuple(torch.cat([p[i].to(torch.float32 if i else torch.int32) for p in pieces])
+                               for i in range(3))
+            setattr(module, name, Int4Linear(child.weight, child.bias, groups=stored) if int4
+                    else Int8Linear(child.weight, child.bias))
     return model
+
+
+def _part_rows(module: nn.Module, name: str, rows: int) -> tuple[int, ...]:
+    """The rows of each part of a projection, in FUSED_PARTS' order."""
+    if name == "qkv_proj":
+        kv = module.n_kv * module.head_dim
+        return rows - 2 * kv, kv, kv
+    if name == "gate_up_proj":
+        return rows // 2, rows // 2
+    return (rows,)
+
+
+def int8_fused_here() -> bool:
+    """Whether this CPU runs int8 projections in the fused layer (its 8-bit
+    tiles need AVX512-VNNI; elsewhere int8 runs torch's fbgemm ops)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_vnni" in flags and "avx512vl" in flags

@@ -168,6 +168,38 @@ class GgufFile:
                         if name.startswith("blk.") and len(t.shape) == 2)
         return kinds.most_common(1)[0][0] if kinds else None
 
+    def layer_weights_types(self) -> dict[str, int]:
+        """How many of the layers' matrices each type stores ({"Q4_K": 150, "Q6_K": 46})."""
+        from collections import Counter
+
+        return dict(Counter(t.tensor_type.name for name, t in self.tensors.items()
+                            if name.startswith("blk.") and len(t.shape) == 2))
+
+    def int4_groups_of_layer(self, cfg: ModelConfig, rewrite: architectures.Rewrite,
+                             layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`int4_groups` of layer `layer`'s projections stored as 4-bit
+        groups, by module name in the layer ("self_attn.q_proj"), as
+        `lazy_state_dict` gives their weights: rows in HF's order, the
+        family's constant factor (`architectures.tensor_rewrite`) applied to
+        scale and minimum. What quantize_cpu_linears takes."""
+        family = architectures.family_of(cfg.architecture)
+        permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        out = {}
+        for kind, module in architectures.gguf_layer_tensors(family).items():
+            name = f"blk.{layer}.{kind}.weight"
+            if name not in self.tensors or len(self.tensors[name].shape) != 2:
+                continue
+            groups = self.int4_groups(name)
+            if groups is None:
+                continue
+            if family in architectures.PERMUTED_QK and module in permuted:
+                groups = tuple(unpermute_rows(g, permuted[module]) for g in groups)
+            step = architectures.tensor_rewrite(f"model.layers.{layer}.{module}.weight", rewrite, cfg.qk_norm)
+            if step is not None:  # a constant factor: on the scale and the minimum
+                groups = (groups[0], step(groups[1]), step(groups[2]))
+            out[module] = groups
+        return out
+
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, dequantized to fp32, in HF's (row-major) shape."""
         from gguf import GGMLQuantizationType, dequantize
@@ -184,6 +216,23 @@ class GgufFile:
         if not values.flags.writeable:
             values = values.copy()
         return torch.from_numpy(values.reshape(tuple(reversed(t.shape.tolist()))))
+
+    def tensor_type(self, name: str) -> str:
+        """How the file stores a tensor: "Q4_K", "Q6_K", "F16", ..."""
+        return self.tensors[name].tensor_type.name
+
+    def int4_groups(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A matrix stored as 4-bit groups of 32 (Q4_0, Q4_1, Q4_K) as the
+        file holds them: (q in 0..15 uint8 [N, K], scale, minimum fp32
+        [N, K / 32]), rows in the file's order, with q * scale + minimum equal
+        to the gguf reader's (and llama.cpp's) dequantized weights bit for bit.
+        None for any other type."""
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind not in INT4_GROUP_TYPES:
+            return None
+        rows = int(t.shape[1]) if len(t.shape) == 2 else 1
+        return int4_groups_of(np.asarray(t.data).reshape(rows, -1), kind)
 
     def state_dict(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """HF-named tensors; Q/K rows of `llama` / `granite` files back in HF's rotate-half order."""
@@ -230,6 +279,47 @@ class GgufFile:
             return TextTokenizer(from_metadata(self.get), self.path)
         except UnsupportedTokenizer as e:
             raise _error(self.path, str(e)) from None
+
+
+# Types whose blocks are 4-bit values in groups of 32 with a scale and a
+# minimum each, Int4Linear's shape: they repack into it exactly (`int4_groups_of`).
+INT4_GROUP_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+
+
+def int4_groups_of(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The groups of a matrix's blocks (uint8 [N, bytes per row]; `kind` in
+    INT4_GROUP_TYPES): (q uint8 [N, K], scale, minimum fp32 [N, K / 32]).
+    Per block (ggml's layouts, ggml-common.h):
+    - Q4_0, 32 weights: fp16 d, 16 bytes of nibbles (weight j in byte j % 16,
+      low nibble for j < 16); w = d * (q - 8): scale d, minimum -8 d.
+    - Q4_1, 32 weights: fp16 d, fp16 m, the same nibbles; w = d * q + m.
+    - Q4_K, 256 weights in 8 groups: fp16 d and dmin, 12 bytes packing a 6-bit
+      scale sc and min m per group, 128 bytes of nibbles (group 2i in the low
+      nibbles of bytes 32i..32i+31, group 2i+1 in their high ones);
+      w = (d * sc) * q - dmin * m: scale d * sc, minimum -(dmin * m), both
+      exact in fp32 (an fp16 times a 6-bit integer)."""
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, -1, _BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_K":
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        s = blocks[..., 4:16].astype(np.uint8)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        scale = d[..., None] * sc.astype(np.float32)  # [N, blocks, 8]
+        low = -(dmin[..., None] * mn.astype(np.float32))
+        nib = blocks[..., 16:].reshape(N, -1, 4, 1, 32)
+        q = np.concatenate((nib & 15, nib >> 4), -2)  # [N, blocks, 4, 2, 32]: group 2i, 2i + 1
+    else:
+        if kind == "Q4_0":
+            scale, low, nib = d, -8 * d, blocks[..., 2:]
+        else:
+            scale, low, nib = d, blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
+        q = np.concatenate((nib & 15, nib >> 4), -1)  # [N, blocks, 32]
+    return (torch.from_numpy(np.ascontiguousarray(q).reshape(N, -1)),
+            torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(N, -1)),
+            torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32).reshape(N, -1)))
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from completer.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, resolve_precision
-from completer.cpu_quant import bound_kernel_caches, keep_dense_int4
+from completer.cpu_quant import CPU_PRECISIONS, bound_kernel_caches, keep_dense_int4
 from completer.fp8 import has_fp8_tensor_cores
 from completer.gguf_checkpoint import forget_opened
 from completer.model import Transformer
@@ -94,7 +94,7 @@ def load_models(target: str | Path = "default", draft: str | Path = "default", p
     loaded = load(target_path, precision, template, order, device, fuse=fuse)
     drafter = load(draft_path, precision, template, order, device, loaded, fuse) if draft_path else None
     for model in (loaded, drafter):
-        if model is not None and model.precision == "int4":
+        if model is not None and model.precision in CPU_PRECISIONS:
             keep_dense_int4(model.model, int4_dense_rows)
     forget_opened()
     if _malloc_trim is not None:  # the layers' fp32 weights, freed while loading: ~450 MB back at 0.5B's shape

@@ -44,10 +44,9 @@ def _has_bf16() -> bool:
 
 
 def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    from completer.cpu_quant import int8_fused_here  # (imports torch: here, where it is needed)
+
+    return int8_fused_here()
 
 
 def projection_weights(cfg: ModelConfig) -> int:
@@ -63,6 +62,8 @@ def bytes_per_projection_weight(precision: str, int4_dense_rows: int = 0, fused_
         return 1.25 + 2 * wide / 32 + (wide if int4_dense_rows > 0 else 0) + (0.625 if fused_cpu else 0)
     if precision == "int8":
         return 1 + (1 if fused_cpu and _has_vnni() else 0)
+    if precision == "int4+int8":  # each projection one or the other: the larger bounds it
+        return max(bytes_per_projection_weight(p, int4_dense_rows, fused_cpu) for p in ("int4", "int8"))
     return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1 + 4 / 128}[precision]
 
 
@@ -70,7 +71,7 @@ def model_bytes(cfg: ModelConfig, precision: str, int4_dense_rows: int = 0, fuse
     """Bytes a model holds once loaded at `precision` (resolved: not "auto")."""
     rows = 0 if cfg.embedding_from_target else cfg.vocab_size * cfg.hidden_size  # (a drafter reading its target's)
     head = (cfg.head_vocab_size or cfg.vocab_size) * cfg.hidden_size
-    if precision in ("int8", "int4"):
+    if precision in ("int8", "int4", "int4+int8"):
         rest = 4 * rows + head * (2 if fused_cpu else 1)
     else:
         wide = 4 if precision == "fp32" else 2

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "real-sizes": ("real_sizes", "Qwen2.5-Coder 0.5B/1.5B/3B shapes (random weights): speed and memory vs llama.cpp"),
     "critical-path": ("critical_path", "where one editor's keystroke milliseconds go, p50/p90/p99"),
     "fused-quality": ("fused_quality", "first-line exact match with the fused CPU layer and with torch's ops"),
+    "kquant-quality": ("kquant_quality", "K-quant and Q8_0 GGUFs on the int4/int8 paths: the loss against the file"),
     "compat": ("compat_bench", "a keystroke over llama.cpp's /infill against the same over the WebSocket"),
     "disagg": ("disagg_bench", "typing editors beside cold long-file opens, disaggregation off and on"),
     "window": ("window_bench", "first-line exact match by prompt window size, same sites, and a cold prompt's cost"),

@@ -86,10 +86,13 @@ def config(arch: str, vocab: int) -> dict:
 
 
 def write_pair(root: Path, arch: str, qtype: Q, seed: int = 0, pre: str = "default",
-               gguf_arch: str | None = None, tokenizer_model: str = "gpt2") -> tuple[Path, Path]:
+               gguf_arch: str | None = None, tokenizer_model: str = "gpt2",
+               tensor_types: dict[str, Q] | None = None) -> tuple[Path, Path]:
     """A random model as `root/model.gguf` (2-D weights in `qtype`, norms and
     biases in F32) and `root/hf/` (config.json, model.safetensors and
-    tokenizer.json with the weights the GGUF decodes to). Returns both paths."""
+    tokenizer.json with the weights the GGUF decodes to). Returns both paths.
+    `tensor_types`: other types for the 2-D tensors whose GGUF name starts with a
+    key ({"blk.0.attn_v": Q.Q6_K}: a mixed file, as Q4_K_M is)."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = shipped_vocabulary()
     cfg = config(arch, len(tokens))
@@ -130,7 +133,8 @@ def write_pair(root: Path, arch: str, qtype: Q, seed: int = 0, pre: str = "defau
         w = rng.normal(0, 1.0 if hf_name.endswith(("norm.weight", "bias")) else 0.05, shape).astype(np.float32)
         if hf_name.endswith("norm.weight"):
             w = 1.0 + 0.1 * w
-        kind = qtype if len(shape) == 2 else Q.F32
+        kind = next((t for prefix, t in (tensor_types or {}).items() if gguf_name.startswith(prefix)), qtype) \
+            if len(shape) == 2 else Q.F32
         heads = {"q_proj.weight": HEADS, "k_proj.weight": KV_HEADS, "q_proj.bias": HEADS, "k_proj.bias": KV_HEADS}
         permuted = arch == "llama" and hf_name.endswith(tuple(heads))
         head_count = next((n for k, n in heads.items() if hf_name.endswith(k)), 1)

@@ -11,7 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from completer.checkpoint import CheckpointError, load_checkpoint, load_model
+from completer import checkpoint
+from completer.checkpoint import CheckpointError, gguf_cpu_precision, load_checkpoint, load_model, resolve_precision
+from completer.cpu_quant import MIXED, Int4Linear, Int8Linear
+from completer.gguf_checkpoint import GgufFile
 from completer.loading import load
 from gguf_files import SHIPPED_TOKENIZER, write_pair
 
@@ -106,6 +109,125 @@ def test_real_default_model_tokenizer_equals_transformers(default_model, transfo
         assert ours.encode(text) == reference
     assert ours.token_id("<file_sep>") in ours.special_ids
     assert ours.bos_ids() == []  # tokenizer.ggml.add_bos_token is false
+
+
+# -- K-quants and Q8_0 on the CPU fast paths (docs/models.md) -----------------
+
+# A Q4_K_M-like file: Q4_K, with Q6_K for one layer's attn_v and the other's ffn_down.
+Q4_K_M = dict(qtype=Q.Q4_K, tensor_types={"blk.0.attn_v": Q.Q6_K, "blk.1.ffn_down": Q.Q6_K})
+
+
+def projections(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))}
+
+
+def served_weight(linear) -> torch.Tensor:
+    if isinstance(linear, Int4Linear):
+        return linear.dequantized()
+    q, scale = linear.int8_weight()
+    return q.float() * scale[:, None]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_int4_groups_are_the_files_weights_bit_for_bit(tmp_path, qtype):
+    """The file's own groups, unpacked: q * scale + minimum is what the gguf
+    reader (llama.cpp's math) dequantizes, to the bit, for every matrix."""
+    path, _ = write_pair(tmp_path, "qwen2", qtype)
+    gguf = GgufFile(path)
+    matrices = 0
+    for name, t in gguf.tensors.items():
+        groups = gguf.int4_groups(name)
+        if len(t.shape) != 2:
+            assert groups is None
+            continue
+        q, scale, low = groups
+        N, K = q.shape
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == low.shape == (N, K // 32)
+        ours = (q.float().view(N, -1, 32) * scale[..., None] + low[..., None]).view(N, K)
+        assert torch.equal(ours, gguf.tensor(name)), name
+        matrices += 1
+    assert matrices == 2 * 7 + 2  # (token_embd and output: 2-D, in the same type)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_int4_serves_the_files_4bit_weights_exactly(tmp_path, arch, qtype):
+    """At int4 every fused projection of a Q4_1 or Q4_K file holds the file's
+    weights exactly (llama's permuted Q/K rows and fusing included)."""
+    path, _ = write_pair(tmp_path, arch, qtype)
+    reference = dict(load_model(path, "fp32", fuse=True).named_modules())
+    served = projections(load_model(path, "int4", fuse=True))
+    assert sum(isinstance(m, Int4Linear) for m in served.values()) == 2 * 4
+    for name, linear in served.items():
+        if isinstance(linear, Int4Linear):
+            assert torch.equal(linear.dequantized(), reference[name].weight.detach()), name
+
+
+def test_q4_k_m_mixed_file_int4_and_int4_int8(tmp_path):
+    """A Q4_K_M-like file: at int4+int8 a projection whose parts are all Q4_K
+    is int4 (exact), one with a Q6_K part int8; at int4 the Q4_K rows of a
+    mixed projection are exact and the Q6_K rows requantized."""
+    path, _ = write_pair(tmp_path, "llama", **Q4_K_M)
+    reference = {name: m.weight.detach() for name, m in load_model(path, "fp32", fuse=True).named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+    mixed = projections(load_model(path, MIXED, fuse=True))
+    int8 = {name for name, m in mixed.items() if isinstance(m, Int8Linear)}
+    assert int8 == {"model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"}
+    for name, linear in mixed.items():
+        w, ref = served_weight(linear), reference[name]
+        if name in int8:  # 7 bits a row: within half a step of the row's scale
+            assert (w - ref).abs().max() <= ref.abs().amax() / 63 / 2 * 1.001
+        else:
+            assert torch.equal(w, ref), name
+    qkv = load_model(path, "int4", fuse=True).model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear)
+    w, ref = qkv.dequantized(), reference["model.layers.0.self_attn.qkv_proj"]
+    qk_rows = (4 + 2) * 64  # HEADS + KV_HEADS heads of 64
+    assert torch.equal(w[:qk_rows], ref[:qk_rows])
+    assert 0 < (w[qk_rows:] - ref[qk_rows:]).abs().max() <= ref[qk_rows:].abs().max() / 15 * 1.001
+
+
+@pytest.mark.parametrize("written, vnni, fallback", [
+    (dict(qtype=Q.Q4_0), "int4", "int4"),
+    (dict(qtype=Q.Q4_1), "int4", "int4"),
+    (dict(qtype=Q.Q4_K), "int4", "int4"),
+    (Q4_K_M, MIXED, "int4"),
+    (dict(qtype=Q.Q5_0), "int8", None),
+    (dict(qtype=Q.Q5_1), "int8", None),
+    (dict(qtype=Q.Q5_K), "int8", None),
+    (dict(qtype=Q.Q6_K), "int8", None),
+    (dict(qtype=Q.Q8_0), "int8", None),
+    (dict(qtype=Q.Q6_K, tensor_types={"blk.0.ffn_down": Q.Q4_K}), MIXED, None),
+    (dict(qtype=Q.F16), None, None),
+], ids=["Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q6_K+Q4_K", "F16"])
+def test_auto_precision_by_stored_type(tmp_path, monkeypatch, written, vnni, fallback):
+    """`auto` on a CPU, per GGUF type: where int8 runs in the fused layer
+    (AVX512-VNNI) and where it does not; None: the float precision as before."""
+    path, _ = write_pair(tmp_path, "qwen2", **written)
+    float_precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    for here, want in ((True, vnni), (False, fallback)):
+        monkeypatch.setattr(checkpoint, "int8_fused_here", lambda: here)
+        assert resolve_precision("auto", "cpu", path) == (want or float_precision)
+        assert resolve_precision("auto", "cuda", path) == "bf16"
+        assert resolve_precision("int8", "cpu", path) == "int8"
+
+
+def test_gguf_cpu_precision_counts():
+    assert gguf_cpu_precision({"Q4_K": 150, "Q6_K": 46}, True) == MIXED
+    assert gguf_cpu_precision({"Q4_K": 150, "Q6_K": 46}, False) == "int4"
+    assert gguf_cpu_precision({"Q5_0": 164, "Q8_0": 14, "Q4_K": 16, "Q6_K": 14}, False) is None
+    assert gguf_cpu_precision({"Q4_K": 150, "F16": 10}, True) == "int4"  # mostly 4-bit: int4
+    assert gguf_cpu_precision({"Q8_0": 10, "F16": 10}, True) is None
+    assert gguf_cpu_precision({}, True) is None
+
+
+def test_default_model_auto_is_int4_exact(default_model):
+    """The default file (Q4_1): int4, its groups taken from the file as they are."""
+    assert resolve_precision("auto", "cpu", default_model) == "int4"
+    gguf = GgufFile(default_model)
+    groups = gguf.int4_groups("blk.3.ffn_down.weight")
+    assert torch.equal((groups[0].float().view(576, -1, 32) * groups[1][..., None] + groups[2][..., None])
+                       .view(576, -1), gguf.tensor("blk.3.ffn_down.weight"))
 
 
 # Code as an editor sends it, for a SentencePiece vocabulary's corners: runs of
@@ -208,13 +330,20 @@ def test_serve_stops_at_start_on_a_bad_gguf(tmp_path):
     assert len(errors) == 1 and str(path) in errors[0], done.stderr
 
 
-async def test_serve_serves_a_gguf_the_user_has(tmp_path):
-    """`completer serve --model X.gguf`: ready, and completions stream."""
+@pytest.mark.parametrize("written", [dict(qtype=Q.Q4_K), Q4_K_M], ids=["Q4_K", "Q4_K_M"])
+async def test_serve_serves_a_gguf_the_user_has(tmp_path, written):
+    """`completer serve --model X.gguf`: ready at the precision `auto` picks
+    for its types (K-quants on the int4 / int8 paths), through the fused
+    CPU layer where it is built, and completions stream."""
+    from completer.cpu_quant import int8_fused_here
     from latency_bench.harness import collect, complete_msg, connect, running_server
 
-    path, _ = write_pair(tmp_path, "qwen2", Q.Q4_K)
+    path, _ = write_pair(tmp_path, "qwen2", **written)
+    want = MIXED if "tensor_types" in written and int8_fused_here() else "int4"
     with running_server("engine.threads=1", model=str(path)) as server:
         assert any("model.gguf" in line for line in server.log)
+        assert any(f"precision {want}; ready" in line for line in server.log), server.log
+        assert not any("fused CPU layer is not used" in line for line in server.log), server.log
         async with connect(server) as ws:
             await ws.send(complete_msg("g", "def f(x):\n    return ", mode="free", max_tokens=5))
             deltas, done = await collect(ws, "g")

@@ -122,3 +122,5 @@ def test_the_memory_estimate_counts_what_each_precision_holds():
     assert model_bytes(cfg, "fp32") == 4 * (projection_weights(cfg) + 151936 * 2048)  # the head is the embedding
     lean, served = model_bytes(cfg, "int4", 0, fused_cpu=False), model_bytes(cfg, "int4", 32, fused_cpu=True)
     assert 5e9 < lean < 6e9 and served > lean + 2 * projection_weights(cfg)  # + the dense copy and the fused blocks
+    # int4+int8 (a mixed GGUF): each projection one or the other, bounded by the larger
+    assert model_bytes(cfg, "int4+int8") == max(model_bytes(cfg, p) for p in ("int4", "int8"))

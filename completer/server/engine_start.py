@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from completer.checkpoint import CheckpointError
 from completer.config import Config
+from completer.cpu_quant import CPU_PRECISIONS
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.loading import LoadedModel, load_faces, load_models
 from completer.model_store import ModelFetchError
@@ -119,7 +120,7 @@ class EngineStart:
             except RuntimeError as e:  # a local worker that could not start
                 raise CheckpointError(str(e)) from None
         loop = asyncio.get_running_loop()
-        if self.config.engine.fused_cpu and self.target.precision in ("int4", "int8") \
+        if self.config.engine.fused_cpu and self.target.precision in CPU_PRECISIONS \
                 and self.config.model.device == "cpu":
             # Here, not in the engine's build: a wait for another process's build of it ends with the server.
             self.progress.enter("starting the engine", "loading the fused CPU layer" if cpu_decode.built()
