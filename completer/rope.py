@@ -4,13 +4,10 @@ and the rotation, in HF's rotate-half layout."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import torch
-
-if TYPE_CHECKING:
-    from completer.model import ModelConfig
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -23,6 +20,16 @@ class RopeScaling(msgspec.Struct, frozen=True):
     original_max_position_embeddings: int | None = None  # None: the model's max_position_embeddings
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+
+
+class RopeConfig(Protocol):
+    """What RoPE reads of a model's config (`completer.model.ModelConfig`)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rope_local_theta: float
+    max_position_embeddings: int
 
 
 def inverse_frequencies(dim: int, theta: float, s: RopeScaling | None, max_positions: int) -> torch.Tensor:
@@ -55,19 +62,19 @@ def inverse_frequencies(dim: int, theta: float, s: RopeScaling | None, max_posit
     raise ValueError(f"unsupported rope_scaling type {s.rope_type!r}")
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def rope_inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
     """The model's frequencies (a model with local layers: its global layers')."""
     return inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
 
-def local_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor | None:
+def local_inverse_frequencies(cfg: RopeConfig) -> torch.Tensor | None:
     """Gemma 3's sliding layers rotate with a base of their own, unscaled; None: as the others."""
     if not cfg.rope_local_theta:
         return None
     return inverse_frequencies(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
 
 
-def rope_attention_scale(cfg: ModelConfig) -> float:
+def rope_attention_scale(cfg: RopeConfig) -> float:
     """YaRN scales cos/sin (and so the logits) by a length-dependent factor."""
     s = cfg.rope_scaling
     if s is not None and s.rope_type == "yarn" and s.factor > 1:
