@@ -160,14 +160,6 @@ class GgufFile:
         )
         return ModelConfig(**{**fields, **family_fields}), rewrite
 
-    def layer_weights_type(self) -> str | None:
-        """The type most of the layers' matrices are stored in ("Q4_1", "F32", ...)."""
-        from collections import Counter
-
-        kinds = Counter(t.tensor_type.name for name, t in self.tensors.items()
-                        if name.startswith("blk.") and len(t.shape) == 2)
-        return kinds.most_common(1)[0][0] if kinds else None
-
     def layer_weights_types(self) -> dict[str, int]:
         """How many of the layers' matrices each type stores ({"Q4_K": 150, "Q6_K": 46})."""
         from collections import Counter
@@ -183,7 +175,7 @@ class GgufFile:
         family's constant factor (`architectures.tensor_rewrite`) applied to
         scale and minimum. What quantize_cpu_linears takes."""
         family = architectures.family_of(cfg.architecture)
-        permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        permuted = permuted_heads(cfg)
         out = {}
         for kind, module in architectures.gguf_layer_tensors(family).items():
             name = f"blk.{layer}.{kind}.weight"
@@ -192,7 +184,7 @@ class GgufFile:
             groups = self.int4_groups(name)
             if groups is None:
                 continue
-            if family in architectures.PERMUTED_QK and module in permuted:
+            if module in permuted:
                 groups = tuple(unpermute_rows(g, permuted[module]) for g in groups)
             step = architectures.tensor_rewrite(f"model.layers.{layer}.{module}.weight", rewrite, cfg.qk_norm)
             if step is not None:  # a constant factor: on the scale and the minimum
@@ -244,7 +236,7 @@ class GgufFile:
         never sit in memory all at once (a 3B model's are 12 GB)."""
         family = architectures.family_of(cfg.architecture)
         layer_tensors = architectures.gguf_layer_tensors(family)
-        permuted = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+        permuted = permuted_heads(cfg)
         state = {}
         for name in self.tensors:
             if name == "rope_freqs.weight":
@@ -258,7 +250,7 @@ class GgufFile:
                 module, hf = None, f"{architectures.GGUF_GLOBAL_TENSORS[base]}.{suffix}"
             else:
                 raise _error(self.path, f"unexpected tensor {name!r}")
-            heads = permuted.get(module) if family in architectures.PERMUTED_QK else None
+            heads = permuted.get(module)
             shape = tuple(reversed(self.tensors[name].shape.tolist()))
             state[hf] = LazyTensor(shape, functools.partial(self._hf_tensor, name, heads))
         return state
@@ -320,6 +312,13 @@ def int4_groups_of(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tens
     return (torch.from_numpy(np.ascontiguousarray(q).reshape(N, -1)),
             torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(N, -1)),
             torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32).reshape(N, -1)))
+
+
+def permuted_heads(cfg: ModelConfig) -> dict[str, int]:
+    """Modules whose rows llama.cpp's converter permuted (`llama`, `granite`), with their head counts."""
+    if architectures.family_of(cfg.architecture) not in architectures.PERMUTED_QK:
+        return {}
+    return {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
