@@ -16,16 +16,8 @@ import pytest
 from latency_bench.nvim_editor import free_port, keys, server_on, wait_until
 from latency_bench.harness import ROOT, TOKEN
 from test_neovim import (SETTINGS, build, capture, editor, expand, idle, lua_current, no_errors,  # noqa: F401
-                         pytestmark, sent, server, settle, setup, start_typing, status, type_until_completion)
-
-
-def results(ed) -> list[dict]:
-    return ed.lua("return require('completer').results()")
-
-
-def result_of(ed, request_id: str) -> dict:
-    return wait_until(lambda: next((r for r in results(ed) if r["id"] == request_id), None), 15,
-                      what=f"the end of request {request_id}")
+                         pytestmark, result_of, sent, server, settle, setup, start_typing, status,
+                         type_until_completion)
 
 
 def unique(texts: list[str]) -> list[str]:
@@ -328,7 +320,7 @@ def test_wss_with_a_verified_certificate(tls, editor, tmp_path):
     wait_until(editor.connected, 20, what="the TLS connection")
     start_typing(editor, tmp_path / "tls.py")
     cur = type_until_completion(editor, "retur")
-    assert editor.ghost()["text"] == expand(cur["text"]) == expand(editor.last()["text"])
+    assert editor.ghost()["text"] == expand(cur["text"]) == expand(result_of(editor, cur["id"])["text"])
     before = editor.buffer_text()
     editor.nvim.input("<Tab>")
     wait_until(lambda: editor.buffer_text() == before + cur["text"], 5, what="accept")
