@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from completer.cluster import ray_start
+from completer.lsp import cli as lsp_cli
 from completer.cursor import document_at, split_cursor
 from completer.training import cli as train_cli
 
@@ -370,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_evaluate)
 
+    lsp_cli.add_parser(sub)
     ray_start.add_parser(sub)
     train_cli.add_parser(sub)
     return parser
