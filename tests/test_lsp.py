@@ -311,3 +311,12 @@ async def test_after_the_server_went_away_requests_answer_empty_and_say_so_once(
         with contextlib.suppress(ProcessLookupError):
             client._server.kill()  # (a failed assertion above left it running: stop() would wait for it)
         await client.stop()
+
+
+async def test_a_cursor_on_the_line_after_the_last_newline(server, client: LanguageClient):
+    uri = f"{ROOT_URI}/tail.py"
+    text = "def area(r):\n    return 3.14 * r * r\n\n"
+    open_doc(client, uri, text)
+    result = await ask(client, uri, lsp.Position(line=3, character=0), invoked=True)
+    assert result.items and all(i.range.start == i.range.end == lsp.Position(line=3, character=0)
+                                for i in result.items)

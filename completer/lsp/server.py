@@ -173,8 +173,9 @@ class CompleterLanguageServer(LanguageServer):
         if doc is None or not settings.enabled or privacy.blocked(uri, settings):
             return None
         number = self.asked[uri] = self.asked.get(uri, 0) + 1
-        lines = list(doc.lines)
-        at = doc.position_from_client_units(params.position)
+        lines = list(doc.lines)  # (split once: each of pygls' conversions would split the document again)
+        codec = doc.position_codec
+        at = codec.position_from_client_units(lines, params.position)
         prefix, suffix, first, last = text.around(lines, at.line, at.character, settings.max_lines)
         self.report_unaccepted(uri, prefix)
         wait_s = max(settings.debounce_ms / 1000, self.upstream.hold_until - asyncio.get_running_loop().time())
@@ -209,7 +210,8 @@ class CompleterLanguageServer(LanguageServer):
         rest = text.unix(after).rstrip("\n")
         # The rest of the line is replaced by itself after the text: the item
         # shows (and, accepted, leaves) the line as it will read.
-        end = doc.position_to_client_units(ServerTextPosition(at.line, at.character + len(after.rstrip("\r\n"))))
+        end = codec.position_to_client_units(lines, ServerTextPosition(at.line, at.character + len(rest))) \
+            if rest else params.position
         return lsp.InlineCompletionList(items=[
             lsp.InlineCompletionItem(
                 insert_text=t + rest, range=lsp.Range(start=params.position, end=end),
