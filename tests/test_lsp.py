@@ -118,13 +118,18 @@ async def test_incremental_edits_reach_the_prompt(server, client: LanguageClient
     uri = f"{ROOT_URI}/edit.py"
     text = "def total(values):\n    result = 0\n    for v in values:\n        result += v\n    return "
     open_doc(client, uri, text)
-    # An incremental change: `values` renamed in the signature, then the last line retyped.
+    # An incremental change: `values` renamed in the signature.
     client.text_document_did_change(lsp.DidChangeTextDocumentParams(
         text_document=lsp.VersionedTextDocumentIdentifier(uri=uri, version=2),
         content_changes=[lsp.TextDocumentContentChangePartial(
             range=lsp.Range(start=lsp.Position(line=0, character=10), end=lsp.Position(line=0, character=16)),
             text="numbers")]))
     new = text.replace("(values)", "(numbers)")
+    # And a whole-document change (a client that syncs in full): the last line retyped.
+    new = new[:new.rindex("return ")] + "return result + "
+    client.text_document_did_change(lsp.DidChangeTextDocumentParams(
+        text_document=lsp.VersionedTextDocumentIdentifier(uri=uri, version=3),
+        content_changes=[lsp.TextDocumentContentChangeWholeDocument(text=new)]))
     configure(client, context={"enabled": False})
     try:
         result = await ask(client, uri, end_of(new))

@@ -77,6 +77,7 @@ class CompleterLanguageServer(LanguageServer):
         self.in_flight: dict[str, str] = {}  # document uri -> the id of its request in flight
         self.shown: dict[str, Shown] = {}  # document uri -> its items last returned
         self.asked: dict[str, int] = {}  # document uri -> the newest inlineCompletion's number
+        self.priming: str | None = None  # the id of the last prime sent
 
     def tell(self, message: str, kind: lsp.MessageType = lsp.MessageType.Warning) -> None:
         self.window_show_message(lsp.ShowMessageParams(type=kind, message=message))
@@ -118,9 +119,14 @@ class CompleterLanguageServer(LanguageServer):
         if not (self.settings.enabled and self.settings.prime) or privacy.blocked(doc.uri, self.settings):
             return
         # Warm the server's cache for the document (max_tokens 0): its first keystroke finds it prefilled.
-        row = max(0, len(doc.lines) - 1)
-        prefix, suffix, _, _ = text.around(list(doc.lines), row, 0, self.settings.max_lines)
-        self.upstream.prime(Complete(id=f"p{next(self.ids)}", max_tokens=0, workspace=self.workspace_of(doc.uri),
+        # One prime at a time: an editor restoring a session opens many documents at once, and the
+        # newest is the one the user sees.
+        if self.priming is not None:
+            self.upstream.cancel(self.priming)
+        lines = list(doc.lines)
+        prefix, suffix, _, _ = text.around(lines, max(0, len(lines) - 1), 0, self.settings.max_lines)
+        self.priming = f"p{next(self.ids)}"
+        self.upstream.prime(Complete(id=self.priming, max_tokens=0, workspace=self.workspace_of(doc.uri),
                                      document=Document(uri=doc.uri, prefix=prefix, suffix=suffix,
                                                        language=doc.language_id or "")))
 

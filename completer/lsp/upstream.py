@@ -148,8 +148,7 @@ class Upstream:
         self._spawn(connect_and_send())
 
     def cancel(self, request_id: str) -> None:
-        if request_id in self.pending:
-            self.send(Cancel(id=request_id))
+        self.send(Cancel(id=request_id))  # (an id already finished is no error: the server ignores it)
 
     async def close(self) -> None:
         if self.ws is not None:
