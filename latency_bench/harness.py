@@ -97,6 +97,12 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def sample(server: ServerProcess, name: str, **labels: str) -> float:
+    """One sample of /metrics by its name and labels (0 while the counter has no such sample)."""
+    key = name + (json.dumps(labels, sort_keys=True) if labels else "")
+    return scrape(server).get(key, 0.0)
+
+
 def scrape(server: ServerProcess) -> dict[str, float]:
     """/metrics as {sample name + its labels as sorted JSON: value}."""
     import http.client

@@ -8,10 +8,8 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 import pytest_lsp
@@ -19,7 +17,7 @@ from lsprotocol import types as lsp
 from pygls.exceptions import JsonRpcRequestCancelled
 from pytest_lsp import ClientServerConfig, LanguageClient
 
-from latency_bench.harness import RULES_OFF, TOKEN, collect, complete_msg, connect, running_server
+from latency_bench.harness import RULES_OFF, TOKEN, collect, complete_msg, connect, running_server, sample
 from latency_bench.nvim_editor import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,16 +43,6 @@ async def client(lsp_client: LanguageClient, server):
     lsp_client.init_result = await lsp_client.initialize_session(INIT)
     yield
     await lsp_client.shutdown_session()
-
-
-def counter(server, name: str, **labels) -> float:
-    """A sample of the server's /metrics, by name and labels (0 when absent)."""
-    request = urllib.request.Request(server.http + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(request, timeout=30) as r:
-        body = r.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    m = re.search(rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? (\S+)$", body, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def open_doc(client: LanguageClient, uri: str, text: str, version: int = 1) -> None:
@@ -166,14 +154,14 @@ async def test_cancel_request_cancels_at_the_server(server, client: LanguageClie
     open_doc(client, uri, CODE)
     configure(client, mode="free", max_tokens=400)
     try:
-        before = counter(server, "completer_request_success_total", finished_reason="cancelled")
+        before = sample(server, "completer_request_success_total", finished_reason="cancelled")
         future = client.protocol.send_request(lsp.TEXT_DOCUMENT_INLINE_COMPLETION, params(uri, end_of(CODE)),
                                               msg_id="cancel-me")
         await asyncio.sleep(0.3)
         client.protocol.notify(lsp.CANCEL_REQUEST, lsp.CancelParams(id="cancel-me"))
         with pytest.raises(JsonRpcRequestCancelled):
             await asyncio.wait_for(asyncio.wrap_future(future) if not asyncio.isfuture(future) else future, 10)
-        await wait_for(lambda: counter(server, "completer_request_success_total", finished_reason="cancelled") > before)
+        await wait_for(lambda: sample(server, "completer_request_success_total", finished_reason="cancelled") > before)
     finally:
         configure(client, mode="auto", max_tokens=None)
 
@@ -183,14 +171,14 @@ async def test_a_new_request_supersedes_the_one_in_flight(server, client: Langua
     open_doc(client, uri, CODE)
     configure(client, mode="free", max_tokens=400)
     try:
-        before = counter(server, "completer_request_success_total", finished_reason="cancelled")
+        before = sample(server, "completer_request_success_total", finished_reason="cancelled")
         first = asyncio.ensure_future(ask(client, uri, end_of(CODE)))
         await asyncio.sleep(0.3)
         configure(client, mode="auto", max_tokens=None)
         second = await ask(client, uri, end_of(CODE))
         assert await first is None  # superseded: answered empty
         assert second and second.items
-        await wait_for(lambda: counter(server, "completer_request_success_total", finished_reason="cancelled") > before)
+        await wait_for(lambda: sample(server, "completer_request_success_total", finished_reason="cancelled") > before)
     finally:
         configure(client, mode="auto", max_tokens=None)
 
@@ -200,10 +188,10 @@ async def test_accepting_runs_the_command_that_counts_the_accept(server, client:
     open_doc(client, uri, CODE)
     result = await ask(client, uri, end_of(CODE))
     item = result.items[0]
-    before = counter(server, "completer_feedback_accepted_chars_total")
+    before = sample(server, "completer_feedback_accepted_chars_total")
     await client.workspace_execute_command_async(lsp.ExecuteCommandParams(
         command=item.command.command, arguments=item.command.arguments))
-    await wait_for(lambda: counter(server, "completer_feedback_accepted_chars_total") == before + len(item.insert_text))
+    await wait_for(lambda: sample(server, "completer_feedback_accepted_chars_total") == before + len(item.insert_text))
 
 
 async def test_settings_exclude_a_document_and_a_bad_value_is_told(server, client: LanguageClient):

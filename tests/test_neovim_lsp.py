@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from latency_bench.harness import RULES_OFF, TOKEN
+from latency_bench.harness import RULES_OFF, TOKEN, sample
 from latency_bench.nvim_editor import Editor, free_port, keys, nvim_build, server_on, wait_until
-from test_lsp import counter
 
 SETTINGS = ("engine.threads=1", *RULES_OFF)
 CODE = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return f.re"
@@ -75,7 +74,7 @@ def editor(tmp_path, server):
 def test_ghost_text_from_completer_lsp_and_get_accepts_it(server, editor, tmp_path):
     editor.open_python(tmp_path / "app.py", CODE)
     wait_until(lambda: attached(editor), 20, what="the language client")
-    before = counter(server, "completer_feedback_accepted_chars_total")
+    before = sample(server, "completer_feedback_accepted_chars_total")
     editor.nvim.input("G")
     editor.nvim.input("A")
     editor.nvim.input("a")  # `f.rea`: the client asks 200 ms after the key
@@ -85,7 +84,7 @@ def test_ghost_text_from_completer_lsp_and_get_accepts_it(server, editor, tmp_pa
     wait_until(lambda: editor.nvim.current.line != line_before, 5, what="the accept")
     assert editor.nvim.current.line == line_before + shown.split("\n")[0]
     assert editor.nvim.api.get_mode()["mode"] == "i"
-    wait_until(lambda: counter(server, "completer_feedback_accepted_chars_total") >= before + len(shown), 10,
+    wait_until(lambda: sample(server, "completer_feedback_accepted_chars_total") >= before + len(shown), 10,
                what="the accept counted at the server")
 
 
@@ -101,10 +100,10 @@ def test_a_keystroke_after_a_jump_supersedes_the_request_in_flight(server, tmp_p
         ed.nvim.input("a")
         time.sleep(0.2 + 0.35)  # the client's 200 ms, then the request runs (the open's prime is superseded)
         assert ghost(ed) is None
-        cancelled = counter(server, "completer_request_success_total", finished_reason="cancelled")
+        cancelled = sample(server, "completer_request_success_total", finished_reason="cancelled")
         ed.nvim.input("<C-o>10G<End>")  # a jump, then keys there
         ed.nvim.input(keys("  # x"))
-        wait_until(lambda: counter(server, "completer_request_success_total", finished_reason="cancelled")
+        wait_until(lambda: sample(server, "completer_request_success_total", finished_reason="cancelled")
                    > cancelled, 10, what="the request in flight cancelled")
         shown = wait_until(lambda: ghost(ed), 20, what="ghost text at the new place")
         row = ed.nvim.api.get_namespaces()[NAMESPACE]
