@@ -24,6 +24,7 @@ from lsprotocol import types as lsp
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
 from pygls.workspace import TextDocument
 from pygls.workspace.position_codec import ServerTextPosition
 
@@ -50,7 +51,15 @@ class Shown(msgspec.Struct):
 
 class BridgeProtocol(LanguageServerProtocol):
     """pygls' protocol, answering a malformed request with an error response
-    (pygls logs it and answers nothing; a client would wait forever)."""
+    (pygls logs it and answers nothing; a client would wait forever), and
+    advertising inline completion as `true`."""
+
+    @lsp_method(lsp.INITIALIZE)
+    def lsp_initialize(self, params: lsp.InitializeParams):
+        result = yield from super().lsp_initialize(params)
+        # `true`, not pygls' `{}`: lsp-mode 10.0 with plists reads an empty object as no provider.
+        result.capabilities.inline_completion_provider = True
+        return result
 
     def structure_message(self, data):
         try:
