@@ -149,38 +149,45 @@ async def test_invoked_asks_for_several_items(server, client: LanguageClient):
     assert [i.command.arguments[1] for i in result.items] == list(range(len(texts)))
 
 
+@contextlib.asynccontextmanager
+async def long_answers(client: LanguageClient):
+    """Free mode, 400 tokens (over a second here): a request still runs 0.3 s after it was sent."""
+    configure(client, mode="free", max_tokens=400)
+    try:
+        yield
+    finally:
+        configure(client, mode="auto", max_tokens=None)
+
+
+def cancelled(server) -> float:
+    return sample(server, "completer_request_success_total", finished_reason="cancelled")
+
+
 async def test_cancel_request_cancels_at_the_server(server, client: LanguageClient):
     uri = f"{ROOT_URI}/cancel.py"
     open_doc(client, uri, CODE)
-    configure(client, mode="free", max_tokens=400)
-    try:
-        before = sample(server, "completer_request_success_total", finished_reason="cancelled")
+    async with long_answers(client):
         future = client.protocol.send_request(lsp.TEXT_DOCUMENT_INLINE_COMPLETION, params(uri, end_of(CODE)),
                                               msg_id="cancel-me")
         await asyncio.sleep(0.3)
+        before = cancelled(server)  # (after the open's prime, which the request superseded)
         client.protocol.notify(lsp.CANCEL_REQUEST, lsp.CancelParams(id="cancel-me"))
         with pytest.raises(JsonRpcRequestCancelled):
-            await asyncio.wait_for(asyncio.wrap_future(future) if not asyncio.isfuture(future) else future, 10)
-        await wait_for(lambda: sample(server, "completer_request_success_total", finished_reason="cancelled") > before)
-    finally:
-        configure(client, mode="auto", max_tokens=None)
+            await asyncio.wait_for(asyncio.wrap_future(future), 10)  # (pygls answers a concurrent future)
+        await wait_for(lambda: cancelled(server) > before)
 
 
 async def test_a_new_request_supersedes_the_one_in_flight(server, client: LanguageClient):
     uri = f"{ROOT_URI}/supersede.py"
     open_doc(client, uri, CODE)
-    configure(client, mode="free", max_tokens=400)
-    try:
-        before = sample(server, "completer_request_success_total", finished_reason="cancelled")
+    async with long_answers(client):
         first = asyncio.ensure_future(ask(client, uri, end_of(CODE)))
         await asyncio.sleep(0.3)
-        configure(client, mode="auto", max_tokens=None)
-        second = await ask(client, uri, end_of(CODE))
-        assert await first is None  # superseded: answered empty
-        assert second and second.items
-        await wait_for(lambda: sample(server, "completer_request_success_total", finished_reason="cancelled") > before)
-    finally:
-        configure(client, mode="auto", max_tokens=None)
+        before = cancelled(server)
+    second = await ask(client, uri, end_of(CODE))
+    assert await first is None  # superseded: answered empty
+    assert second and second.items
+    await wait_for(lambda: cancelled(server) > before)
 
 
 async def test_accepting_runs_the_command_that_counts_the_accept(server, client: LanguageClient):
