@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 ACCEPT_COMMAND = "completer.accept"
 
 
+def empty() -> lsp.InlineCompletionList:
+    """No suggestion: an empty list, not null (Neovim keeps showing the last items on null)."""
+    return lsp.InlineCompletionList(items=[])
+
+
 class Shown(msgspec.Struct):
     """The items last returned for a document, until accepted or superseded."""
     id: str
@@ -181,12 +186,12 @@ class CompleterLanguageServer(LanguageServer):
 
     # -- inline completion ------------------------------------------------------------------------
 
-    async def inline_completion(self, params: lsp.InlineCompletionParams) -> lsp.InlineCompletionList | None:
+    async def inline_completion(self, params: lsp.InlineCompletionParams) -> lsp.InlineCompletionList:
         uri = params.text_document.uri
         doc = self.workspace.text_documents.get(uri)
         settings = self.settings
         if doc is None or not settings.enabled or privacy.blocked(uri, settings):
-            return None
+            return empty()
         number = self.asked[uri] = self.asked.get(uri, 0) + 1
         lines = list(doc.lines)  # (split once: each of pygls' conversions would split the document again)
         codec = doc.position_codec
@@ -197,7 +202,7 @@ class CompleterLanguageServer(LanguageServer):
         if wait_s > 0:
             await asyncio.sleep(wait_s)
             if self.asked.get(uri) != number:
-                return None  # a newer request for the document came meanwhile
+                return empty()  # a newer request for the document came meanwhile
         docs = self.sendable()
         self.ring.request(uri, at.line, docs, settings.context)
         invoked = params.context.trigger_kind == lsp.InlineCompletionTriggerKind.Invoked
@@ -219,7 +224,7 @@ class CompleterLanguageServer(LanguageServer):
             if self.in_flight.get(uri) == request.id:
                 del self.in_flight[uri]
         if not isinstance(done, Done) or done.reason == "cancelled" or not done.text:
-            return None
+            return empty()
         texts = [done.text, *(done.candidates or [])]
         self.shown[uri] = Shown(done.id, prefix, texts)
         rest = text.unix(after).rstrip("\n")
