@@ -138,8 +138,6 @@ async def test_mid_line_the_item_replaces_the_rest_of_the_line_with_itself(serve
     open_doc(client, uri, text)
     at = lsp.Position(line=2, character=text.split("\n")[2].index(" )") + 1)
     result = await ask(client, uri, at, invoked=True)
-    if not result.items:
-        pytest.skip("the embedded model suggests nothing here")
     item = result.items[0]
     assert item.range.start == at and item.range.end == lsp.Position(line=2, character=len(text.split("\n")[2]))
     assert item.insert_text.endswith(")") and len(item.insert_text) > 1
