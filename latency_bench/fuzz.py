@@ -36,7 +36,7 @@ from websockets.exceptions import ConnectionClosed
 from completer.protocol import PROTOCOL_VERSION, Complete, Error, Hello, decode
 from latency_bench.fuzz_frames import Frame, draw_frames
 from latency_bench.harness import ServerProcess, collect, complete_msg, connect, running_server
-from latency_bench.run_results import write_result
+from latency_bench.run_results import Machine, machine, now, write_result
 
 TOKEN = "fuzz-token-0123456789abcdef"  # the server wants 16 characters or more
 # The run is about the protocol, not the model: few tokens, a short window
@@ -121,6 +121,8 @@ def wrong_answer(expected: Expected, answers: list[dict]) -> str | None:
 
 class Figures(msgspec.Struct):
     command: str = ""
+    date: str = ""  # when the run ended (RELIABILITY.md's section says it)
+    machine: Machine | None = None  # where it ran, as every benchmark records it
     frames: int = 0
     sent_by_kind: dict[str, int] = {}
     answers_by_kind: dict[str, int] = {}  # "error:bad_request", "done:length", "delta", ...
@@ -278,6 +280,7 @@ def main() -> int:
     shown = [a for a, before in zip(sys.argv[1:], ["", *sys.argv[1:]]) if "--remark" not in (a, before)]
     figures.command = "python -m latency_bench fuzz " + " ".join(shown)
     figures.remark = args.remark
+    figures.date, figures.machine = now(), machine()
     report = msgspec.json.format(msgspec.json.encode(figures))
     print(report.decode())
     if args.json:

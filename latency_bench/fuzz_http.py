@@ -26,9 +26,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
+
 from latency_bench.fuzz import SERVER_SETTINGS, TOKEN, generated_batches, rss_mb
 from latency_bench.harness import running_server
-from latency_bench.run_results import write_result
+from latency_bench.run_results import machine, now, write_result
 
 ROUTES = [("POST", "/infill"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
           ("GET", "/health"), ("GET", "/props"), ("GET", "/v1/models"), ("GET", "/nowhere"), ("PUT", "/infill")]
@@ -169,6 +171,7 @@ def main() -> int:
         figures["server_rss_mb_before"], figures["server_rss_mb_after"] = before, rss_mb(server)
         figures["server_alive"] = server.proc.poll() is None
     figures["command"] = "python -m latency_bench fuzz-http " + " ".join(sys.argv[1:])
+    figures["date"], figures["machine"] = now(), msgspec.to_builtins(machine())
     report = json.dumps(figures, indent=2)
     print(report)
     if args.json:

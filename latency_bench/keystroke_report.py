@@ -5,21 +5,41 @@
 From `keystroke_bench.py`'s JSON: one table (every row at every editor count,
 ratios against `all_on`), the aims checked, two PNG plots beside the JSON
 (TTFT CDFs per row at each editor count; p99 TTFT against editors), and, unless
-`--no-docs`, the newest section of BENCHMARKS.md (the one it wrote before is
-kept below it, marked superseded), between marker comments; the README
-links there and carries no dated figures.
+`--no-docs`, BENCHMARKS.md's keystroke section, between marker comments; the
+README links there and carries no dated figures. A newer run's section goes
+first among BENCHMARKS.md's dated sections (the page is newest first); the
+section it replaces moves, marked superseded, to the top of
+docs/results/benchmarks_superseded.md (newest first too), its links made
+relative to that folder and the plots the newer run overwrote left out.
+Re-rendering the same run replaces its section where it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- keystroke-bench:start -->", "<!-- keystroke-bench:end -->"
+BENCH = ROOT / "BENCHMARKS.md"
+SUPERSEDED = ROOT / "docs" / "results" / "benchmarks_superseded.md"
+SUPERSEDED_INTRO = """# Superseded benchmark runs
+
+Runs that a newer run of the same benchmark replaced in [BENCHMARKS.md](../../BENCHMARKS.md), newest first,
+each as it was measured; only its links are made relative to this folder. `python -m latency_bench
+keystroke-report` moves the keystroke replay's section here when it writes a newer run's. Its JSON and plots
+(`docs/results/keystroke_bench.json`, `docs/results/keystroke_bench/`) are overwritten by the next run's: a
+section here names the JSON as it was written and does not link the plots.
+"""
+# A heading's date: `2026-12-03, 20:10`, `2026-12-05, 15:49-15:58`, `2026-12-05/06, 23:46-01:24`,
+# `2026-11-29 to 2026-12-01`, `CPU, 2026-11-29, later run`; a range counts by its end.
+WHEN = re.compile(r"(\d{4}-\d{2}-\d{2})(?:/(\d{2}))?(?: to (\d{4}-\d{2}-\d{2}))?(?:, (\d{2}:\d{2})(?:-(\d{2}:\d{2}))?)?")
+IMAGE = re.compile(r"^!\[[^\]]*\]\(([^)\s]+)\)\n?", re.M)
+LINK = re.compile(r"(\]\()([^)\s#][^)\s]*)(\))")
 
 
 def fmt(v, unit: str = "") -> str:
@@ -248,14 +268,90 @@ def render(json_path: Path, write_docs: bool = True) -> str:
     text = section(result, json_path, images)
     print(text)
     if write_docs:
-        bench = ROOT / "BENCHMARKS.md"
-        page, old = replace_between(bench.read_text(), START, END, text)
-        if old and f"<!-- run {result['date']} -->" not in old:  # an earlier run: kept, marked
-            date = f"{result['date'][:10]}, {result['date'][11:16]}"
-            old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date} above)", old, count=1, flags=re.M)
-            page = page.replace(f"{END}\n", f"{END}\n\n{old}", 1)
-        bench.write_text(page)
+        superseded = SUPERSEDED.read_text() if SUPERSEDED.exists() else SUPERSEDED_INTRO
+        page, superseded = write_pages(BENCH.read_text(), superseded, text, result["date"])
+        BENCH.write_text(page)
+        SUPERSEDED.write_text(superseded)
     return text
+
+
+# -- BENCHMARKS.md: newest first, superseded runs in docs/results/ ------------------------------------
+
+def sections(text: str) -> tuple[str, list[str]]:
+    """A page split before each `## ` heading outside code blocks (the start
+    marker on the line before a heading goes with it): the intro, the sections."""
+    lines = text.splitlines(keepends=True)
+    starts, fence = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("## "):
+            starts.append(i - 1 if i and lines[i - 1].rstrip("\n") == START else i)
+    bounds = [*starts, len(lines)]
+    return "".join(lines[:bounds[0]]), ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def join(intro: str, parts: list[str]) -> str:
+    """`sections` undone, one blank line between sections."""
+    return intro.rstrip("\n") + "\n\n" + "\n\n".join(s.rstrip("\n") for s in parts) + "\n"
+
+
+def heading(section: str) -> str:
+    return re.search(r"^## (.*)$", section, re.M).group(1)
+
+
+def when(title: str) -> tuple[str, str | None] | None:
+    """A heading's date and time (None: it names no date), a range by its end."""
+    m = WHEN.search(title)
+    if not m:
+        return None
+    date, day, to, start, end = m.groups()
+    return (to or (date[:8] + day if day else date)), end or start
+
+
+def newer(a: tuple[str, str | None], b: tuple[str, str | None]) -> bool:
+    """`a` after `b`: a later day, or the same day at a later time (a time only where both give one)."""
+    return a[0] > b[0] or (a[0] == b[0] and a[1] is not None and b[1] is not None and a[1] > b[1])
+
+
+def out_of_order(text: str) -> list[tuple[str, str]]:
+    """(heading, a heading above it that is older) for a page meant newest first."""
+    titles = [heading(s) for s in sections(text)[1]]
+    dated = [(t, w) for t in titles if (w := when(t)) is not None]
+    return [(t, u) for i, (u, wu) in enumerate(dated) for t, wt in dated[i + 1:] if newer(wt, wu)]
+
+
+def superseded_copy(old: str, new: str, date: str) -> str:
+    """The replaced section as docs/results/benchmarks_superseded.md holds it:
+    marked, the images the newer section links (the same files, overwritten)
+    left out, its other links relative to that page."""
+    old = re.sub(r"^## (.*)$", rf"## \1 (superseded by the run of {date})", old, count=1, flags=re.M)
+    taken = set(IMAGE.findall(new))
+    old = IMAGE.sub(lambda m: "" if m.group(1) in taken else m.group(0), old)
+
+    def rebase(m: re.Match) -> str:
+        target = m.group(2)
+        if re.match(r"[a-z]+:|/", target):
+            return m.group(0)
+        return m.group(1) + Path(os.path.relpath(ROOT / target, SUPERSEDED.parent)).as_posix() + m.group(3)
+
+    return LINK.sub(rebase, old).rstrip("\n") + "\n"
+
+
+def write_pages(bench: str, superseded: str, new: str, run_date: str) -> tuple[str, str]:
+    """BENCHMARKS.md and the superseded runs' page once `new` (the keystroke
+    section of the run of `run_date`) is written: the same run's section
+    replaced where it is; a newer run's first among the sections, the one it
+    replaces on top of the superseded page."""
+    page, old = replace_between(bench, START, END, new)
+    if old and f"<!-- run {run_date} -->" not in old:
+        intro, parts = sections(page)
+        block = next(s for s in parts if s.startswith(START))
+        page = join(intro, [block, *(s for s in parts if s is not block)])
+        date = f"{run_date[:10]}, {run_date[11:16]}"
+        intro, parts = sections(superseded)
+        superseded = join(intro, [superseded_copy(old, new, date), *parts])
+    return page, superseded
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from latency_bench.run_results import (RSS_TOLERANCE, FairnessResult, Gauges, RunRecord, SoakResult, machine, now,
-                                       rss_growth, violations)
+from latency_bench.run_results import (RSS_TOLERANCE, FairnessResult, Gauges, Machine, RunRecord, SoakResult, machine,
+                                       now, rss_growth, violations)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -115,11 +115,30 @@ def duration(seconds: float) -> str:
     return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} minutes"
 
 
+def run_lines(command: str, date: str | None, m: Machine | None, remark: str = "") -> list[str]:
+    """What every section starts with: its own run's command, when it ended and
+    the machine, from that run's JSON (never another run's), then its note."""
+    lines = [f"`{command}`", ""]
+    if date and m is not None:
+        lines += [f"Ended {date}. Machine: {m.cpu}, {m.cores} cores, {m.memory_gb:g} GB; {m.platform}; Python "
+                  f"{m.python}; load average {m.load_average} then; commit {m.commit}"
+                  f"{' with uncommitted changes' if m.uncommitted_changes else ''}.", ""]
+    else:
+        lines += ["When and where it ran: not in its JSON (written before the fuzz runs recorded their date and "
+                  "machine)" + ("; see its note." if remark else "."), ""]
+    return lines + ([remark, ""] if remark else [])
+
+
+def when(date: str | None, remark: str = "") -> str:
+    """A run's date as the summary gives it: to the minute (a JSON without one: its note, if it has one)."""
+    return date[:16].replace("T", " ") if date else "in its note" if remark else "not recorded"
+
+
 def soak_section(r: SoakResult) -> list[str]:
     e, kv, broken = r.events, r.kv, violations(r)
     g = lambda name: e.get(name, 0)  # noqa: E731
     lines = [f"## Soak: {r.editors} editors, {duration(r.duration_s)}", "",
-             f"`{r.command}` ({r.date})", "",
+             *run_lines(r.command, r.date, r.machine),
              f"- {r.editors} simulated editors typed pip's sources into their own documents (300-4000 chars, "
              f"growing a key at a time): {g('keystrokes')} keystrokes, one `complete` each, ~150 ms apart with "
              f"jitter, {g('bursts')} bursts of 5-30 keys 3-20 ms apart (supersede storms), {g('cancels')} "
@@ -297,7 +316,7 @@ def idle_lines(r: SoakResult) -> list[str]:
 
 def fairness_section(r: FairnessResult) -> list[str]:
     lines = [f"## Fairness: 1 editor alone vs {r.together.editors} together", "",
-             f"`{r.command}` ({r.date})", "",
+             *run_lines(r.command, r.date, r.machine),
              f"Closed loop (each editor sends its next keystroke when the last is answered), default config; "
              f"{r.rounds} round(s) alternating alone ({r.alone.requests // r.rounds} keys) and together "
              f"({r.requests_per_editor} keys per editor). Each editor first opens its document (one request, "
@@ -317,44 +336,62 @@ def fairness_section(r: FairnessResult) -> list[str]:
                     f"their deadline).", ""]
 
 
+RUN_KEYS = ("command", "remark", "date", "machine")  # a fuzz JSON's run, said above its figures
+
+
+def fuzz_machine(fuzz: dict) -> Machine | None:
+    return msgspec.convert(fuzz["machine"], Machine) if fuzz.get("machine") else None
+
+
 def fuzz_section(fuzz: dict, heading: str = "## Fuzz") -> list[str]:
-    """latency_bench/fuzz.py's JSON as it is: its top-level figures (and its remark)."""
-    lines = [heading, "", f"`{fuzz.get('command', 'python -m latency_bench fuzz')}`", ""]
-    if fuzz.get("remark"):
-        lines += [fuzz["remark"], ""]
+    """latency_bench/fuzz.py's (or fuzz_http.py's) JSON as it is: its run, its
+    remark, its top-level figures."""
+    lines = [heading, "", *run_lines(fuzz.get("command", "python -m latency_bench fuzz"), fuzz.get("date"),
+                                     fuzz_machine(fuzz), fuzz.get("remark", ""))]
     return lines + table(("figure", "value"), [(k, json.dumps(v)[:300]) for k, v in fuzz.items()
-                                               if k not in ("command", "remark")])
+                                               if k not in RUN_KEYS])
+
+
+def run_record_section(run: RunRecord) -> list[str]:
+    """docs/results/reliability_run.json: what the last `python -m latency_bench
+    reliability` (or its runs made one by one) recorded, under its own date."""
+    return ["## The run record", "",
+            "`docs/results/reliability_run.json`, written by `python -m latency_bench reliability` when it runs "
+            "everything (each section below names its own run):", "",
+            *run_lines(run.command, run.date, run.machine),
+            "Exit codes: " + (", ".join(f"{k} {'not run' if v is None else v}" for k, v in run.exit_codes.items())
+                              or "none") + ".", ""]
 
 
 def page(run: RunRecord, fuzz: dict | None, soak: SoakResult | None, fairness: FairnessResult | None) -> str:
-    m = run.machine
     lines = ["# Reliability", "",
-             f"Generated by `{run.command}` on {run.date}; do not edit by hand: "
-             "`python -m latency_bench reliability --from-json` re-renders it from "
-             "`docs/results/reliability_*.json`, and without it re-runs everything.", "",
-             f"Machine: {m.cpu}, {m.cores} cores, {m.memory_gb:g} GB; {m.platform}; Python {m.python}; load average "
-             f"{m.load_average} when the runs ended; commit "
-             f"{m.commit}{' with uncommitted changes' if m.uncommitted_changes else ''}. The server is "
-             "`completer serve --model embedded` on CPU; times are what a client on the same machine saw.", ""]
+             "Do not edit by hand: `python -m latency_bench reliability --from-json` renders it from "
+             "`docs/results/reliability_*.json`, and without `--from-json` re-runs everything first. Each section "
+             "names its own run (the command, when it ended, the machine), as that run's JSON recorded it. The "
+             "server is `completer serve --model embedded` on CPU; times are what a client on the same machine "
+             "saw.", ""]
     fuzz_figures = ", ".join(f"{fuzz[k]} {k.replace('_', ' ')}" for k in ("unanswered", "wrong_answers",
                                                                           "connections_lost") if k in (fuzz or {}))
-    summary = [("fuzz", "not run" if fuzz is None else f"{fuzz.get('frames', '?')} frames",
-                fuzz_figures or "see below")]
+    summary = [("fuzz", when((fuzz or {}).get("date"), (fuzz or {}).get("remark", "")),
+                "not run" if fuzz is None else f"{fuzz.get('frames', '?')} frames", fuzz_figures or "see below")]
     if FUZZ_HTTP.exists():
         http = json.loads(FUZZ_HTTP.read_text())
         fivexx = sum(n for status, n in http["statuses"].items() if status.startswith("5"))
-        summary.append(("fuzz, HTTP routes", f"{http['requests']} requests",
+        summary.append(("fuzz, HTTP routes", when(http.get("date"), http.get("remark", "")),
+                        f"{http['requests']} requests",
                         f"{fivexx} 5xx, {http['statuses'].get('None', 0)} without a status, "
                         f"{sum(http['problems'].values())} other problems"))
     if soak is not None:
         broken = violations(soak)
-        summary.append(("soak", f"{soak.editors} editors, {duration(soak.duration_s)}, {soak.sent} requests",
+        summary.append(("soak", when(soak.date),
+                        f"{soak.editors} editors, {duration(soak.duration_s)}, {soak.sent} requests",
                         "invariants held" if not broken else f"{len(broken)} invariants broken"))
     if fairness is not None:
-        summary.append(("fairness", f"1 vs {fairness.together.editors} editors, closed loop",
+        summary.append(("fairness", when(fairness.date), f"1 vs {fairness.together.editors} editors, closed loop",
                         f"p99 {fairness.p99_ratio:.1f}x (aim {fairness.aim:g}x)"
                         + (", machine too busy: see the caveat" if fairness.alone.deadline_share > 0.01 else "")))
-    lines += table(("run", "how much", "result"), summary)
+    lines += table(("run", "ended", "how much", "result"), summary)
+    lines += run_record_section(run)
     code = run.exit_codes.get("fuzz")
     lines += fuzz_section(fuzz) if fuzz is not None else ["## Fuzz", "", (
         "Not run: latency_bench/fuzz.py was not there when this page was generated." if code is None
