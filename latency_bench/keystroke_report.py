@@ -66,6 +66,49 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
     return ", ".join(figures) + f" (n {len(sites)})"
 
 
+def served_count(r: dict) -> str:
+    """' (served of keys a next key followed)', where the run counted them."""
+    return f" ({r['served_n']:,} of {r['next_key_n']:,})" if "served_n" in r else ""
+
+
+def diff(a, b, unit: str = " ms") -> str:
+    return f"{a - b:+,.1f}{unit}" if a is not None and b is not None else "-"
+
+
+def bridge(result: dict) -> list[str]:
+    """The LSP rows against the WebSocket's `all_on` (same server settings and
+    prompts) at each editor count both ran: what the bridge costs. An LSP
+    answer is whole, so its TTFT is its answer; beside the WebSocket's first
+    streamed text (the issue's figure), and beside its whole answer (the
+    bridge alone)."""
+    rows = result["rows"]
+    ws = rows.get("all_on", {}).get("runs", {})
+    out = []
+    for name, row in rows.items():
+        if row.get("via") != "lsp":
+            continue
+        for n, r in row["runs"].items():
+            if n not in ws:
+                continue
+            b = ws[n]
+            p50 = None if r["ttft_p50_ms"] is None or b["ttft_p50_ms"] is None else r["ttft_p50_ms"] - b["ttft_p50_ms"]
+            aim = "-" if p50 is None else ("met" if p50 <= 10 else "missed")
+            out.append(
+                f"- `{name}` (through `completer lsp`) minus `all_on` (the WebSocket) at {n} editor"
+                f"{'s' if n != '1' else ''}: TTFT p50 {fmt(r['ttft_p50_ms'])} vs {fmt(b['ttft_p50_ms'])} ms "
+                f"({diff(r['ttft_p50_ms'], b['ttft_p50_ms'])}; aim within 10 ms: {aim}), p99 {fmt(r['ttft_p99_ms'])} "
+                f"vs {fmt(b['ttft_p99_ms'])} ms ({diff(r['ttft_p99_ms'], b['ttft_p99_ms'])}), n {r['ttft_n']} vs "
+                f"{b['ttft_n']}; served before next key {fmt(r['served_before_next_key'], '%')}{served_count(r)} vs "
+                f"{fmt(b['served_before_next_key'], '%')}{served_count(b)} "
+                f"({diff(100 * r['served_before_next_key'], 100 * b['served_before_next_key'], ' points')}). "
+                f"An LSP answer is whole (its TTFT is its answer); beside the WebSocket's whole answer: end-to-end "
+                f"p50 {fmt(r['e2e_p50_ms'])} vs {fmt(b['e2e_p50_ms'])} ms ({diff(r['e2e_p50_ms'], b['e2e_p50_ms'])}), "
+                f"p99 {fmt(r['e2e_p99_ms'])} vs {fmt(b['e2e_p99_ms'])} ms ({diff(r['e2e_p99_ms'], b['e2e_p99_ms'])}), "
+                f"n {r['e2e_n']} vs {b['e2e_n']}; on the keystrokes both answered whole, "
+                + both_answered(r, b, "line_sites"))
+    return out
+
+
 def table(result: dict) -> list[str]:
     rows = result["rows"]
     base = rows.get("all_on", {}).get("runs", {})
@@ -79,7 +122,7 @@ def table(result: dict) -> list[str]:
             pair = both_finished(r, b) if name != "all_on" else None
             out.append(
                 f"| {name} | {n} | {r['keystrokes']:,} | {per_key(r.get('requests_per_key'))} "
-                f"| {fmt(r['served_before_next_key'], '%')} "
+                f"| {fmt(r['served_before_next_key'], '%')}{served_count(r)} "
                 f"| {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p90_ms'])} / {fmt(r['ttft_p99_ms'])} ms "
                 f"({r.get('ttft_n', '?')}) "
                 f"| {fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms ({r.get('e2e_n', '?')}) "
@@ -192,6 +235,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(p)
 
     peers = {r.get("gguf") for r in result["rows"].values() if r["kind"] != "completer"}
+    through_lsp = bridge(result)
     # Said only of the run it comes from: which model, and llama.cpp only when it had rows.
     model = result.get("model", "default")
     served = "Default model" if model == "default" else f"Model {result.get('model_name', model)} (--model {model})"
@@ -221,6 +265,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         "",
         *aims(result),
         "",
+        *(["The LSP bridge:", "", *through_lsp, ""] if through_lsp else []),
         *[f"![{p.stem}]({rel(p)})" for p in images],
         "",
     ]
