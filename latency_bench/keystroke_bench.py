@@ -22,7 +22,8 @@ its n-gram speculation (`llama_peer.SPECULATIVE_FLAGS`), which did not help it
 here: at 1 editor for 20 s, TTFT p50 34 vs 20 ms and line p50 90 vs 66 ms
 without. Both servers get every core. Row `lsp` (not in the default run)
 is `all_on` through a `completer lsp` per editor (lsp_replay.py): run it
-beside `all_on` (`--rows lsp all_on --editors 1`) for the bridge's cost.
+beside `all_on` (`--rows lsp all_on --editors 1 --no-screenshot`) for the
+bridge's cost.
 
 Ratios are against `all_on` at the same editor count. Run it alone: a second
 process on a 2-core machine moves every figure.
@@ -222,6 +223,9 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "keystroke_bench.json")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite BENCHMARKS.md")
+    ap.add_argument("--no-screenshot", action="store_true",
+                    help="no dashboard screenshot (Chromium's CPU lands on all_on's last keystrokes: leave it out "
+                         "where all_on is the baseline of a comparison, as for the lsp row)")
     args = ap.parse_args()
 
     from completer.checkpoint import resolve_precision
@@ -243,7 +247,7 @@ def main() -> None:
         for name in args.rows:
             progress.console.print(f"{name} ...")
             if name in COMPLETER_ROWS or name in LSP_ROWS:
-                shot = assets / "dashboard.png" if name == "all_on" else None
+                shot = assets / "dashboard.png" if name == "all_on" and not args.no_screenshot else None
                 settings = COMPLETER_ROWS.get(name) or LSP_ROWS[name]
                 result["rows"][name] = completer_row(name, settings, args.editors, args, files, progress, shot)
             else:
