@@ -20,8 +20,11 @@ An LSP answer is whole (items, or null): `ttft_s` and `answer_s` are both the
 time from the key to the response, so this row's TTFT compares with the
 WebSocket row's TTFT (first streamed text) and, for what the bridge alone
 costs, with its line end-to-end (its `done`). A null answer is `done:cancelled`
-when a later key came before it (superseded), `done:empty` otherwise (the
-bridge does not say which of empty, refused or unreachable it was).
+when a later key came before it (superseded; so is the RequestCancelled error
+of a request cancelled on leaving its document), `done:empty` otherwise (the
+bridge does not say which of empty, refused or unreachable it was). The
+bridge passes no `done.timings`: the row has no cached share, token counts or
+inter-token latency.
 
 The bridge's settings match the WebSocket editor's frames: mode `line`, its
 max_tokens and deadline, the whole document sent (`max_lines` 0), no prime on
