@@ -20,7 +20,10 @@ window), prompt caching, and the same token ids completer's pipeline builds:
 shipped (what its users run); `llama_q4_1_ngram` (not in the default run) adds
 its n-gram speculation (`llama_peer.SPECULATIVE_FLAGS`), which did not help it
 here: at 1 editor for 20 s, TTFT p50 34 vs 20 ms and line p50 90 vs 66 ms
-without. Both servers get every core.
+without. Both servers get every core. Row `lsp` (not in the default run)
+is `all_on` through a `completer lsp` per editor (lsp_replay.py): run it
+beside `all_on` (`--rows lsp all_on --editors 1 --no-screenshot`) for the
+bridge's cost.
 
 Ratios are against `all_on` at the same editor count. Run it alone: a second
 process on a 2-core machine moves every figure.
@@ -103,6 +106,10 @@ COMPLETER_ROWS: dict[str, tuple[str, ...]] = {
     "disagg": (KV, "disagg.enabled=true", "disagg.workers=1", "disagg.engine_cpus=[0]",
                "disagg.worker_cpus=[[1]]", "disagg.threshold_tokens=256"),
 }
+# Rows whose editors go through `completer lsp` (issue #46; lsp_replay.py), each with its server's settings:
+# the same server and frames as `all_on` (no context, no prime), so the difference is the bridge's.
+# Not in the default run: each editor is a process of its own (32 of them on 2 cores measure the processes).
+LSP_ROWS: dict[str, tuple[str, ...]] = {"lsp": (KV,)}
 CONTEXT_FILES = {"context": 3, "context_whole": 3}  # rows whose editors send context
 CLIENT_WAIT = {"client_rhythm": "rhythm", "client_every_key": "none"}  # rows whose editors wait otherwise
 LLAMA_ROWS = ("llama_matched", "llama_q4_1", "llama_q4_1_ngram")
@@ -163,7 +170,8 @@ def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args
             before = scrape(server.http)
             opts = ReplayOptions(editors=n, seconds=args.seconds, seed=args.seed, run=f"{name}-{n}",
                                  context_files=CONTEXT_FILES.get(name, 0),
-                                 client_wait=CLIENT_WAIT.get(name, "server"))
+                                 client_wait=CLIENT_WAIT.get(name, "server"),
+                                 via="lsp" if name in LSP_ROWS else "websocket")
             shooting = None
             if shot is not None and n == max(editors):  # the dashboard while the most editors type
                 shooting = threading.Timer(args.seconds * 0.85, screenshot,
@@ -179,7 +187,8 @@ def completer_row(name: str, settings: tuple[str, ...], editors: list[int], args
                 round((after.get(KEYS[1], 0) - before.get(KEYS[1], 0)) / proposed, 4) if proposed else None)
             runs[str(n)]["load_average"] = machine().load_average
         log = [line.rstrip() for line in tail if "Traceback" in line or "ERROR" in line]
-    return {"kind": "completer", "settings": list(settings), "runs": runs, "server_trouble": log[-10:]}
+    return {"kind": "completer", "settings": list(settings), "via": "lsp" if name in LSP_ROWS else "websocket",
+            "runs": runs, "server_trouble": log[-10:]}
 
 
 def llama_row(name: str, editors: list[int], args, files, progress, precision: str) -> dict:
@@ -205,7 +214,7 @@ def llama_row(name: str, editors: list[int], args, files, progress, precision: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", default=[*COMPLETER_ROWS, "llama_matched", "llama_q4_1"],
-                    choices=[*COMPLETER_ROWS, *LLAMA_ROWS])
+                    choices=[*COMPLETER_ROWS, *LSP_ROWS, *LLAMA_ROWS])
     ap.add_argument("--editors", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=40.0, help="replay per editor count")
     ap.add_argument("--seed", type=int, default=0)
@@ -214,6 +223,9 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "keystroke_bench.json")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite BENCHMARKS.md")
+    ap.add_argument("--no-screenshot", action="store_true",
+                    help="no dashboard screenshot (Chromium's CPU lands on all_on's last keystrokes: leave it out "
+                         "where all_on is the baseline of a comparison, as for the lsp row)")
     args = ap.parse_args()
 
     from completer.checkpoint import resolve_precision
@@ -234,10 +246,10 @@ def main() -> None:
     with Progress(transient=True) as progress:
         for name in args.rows:
             progress.console.print(f"{name} ...")
-            if name in COMPLETER_ROWS:
-                shot = assets / "dashboard.png" if name == "all_on" else None
-                result["rows"][name] = completer_row(name, COMPLETER_ROWS[name], args.editors, args, files,
-                                                     progress, shot)
+            if name in COMPLETER_ROWS or name in LSP_ROWS:
+                shot = assets / "dashboard.png" if name == "all_on" and not args.no_screenshot else None
+                settings = COMPLETER_ROWS.get(name) or LSP_ROWS[name]
+                result["rows"][name] = completer_row(name, settings, args.editors, args, files, progress, shot)
             else:
                 result["rows"][name] = llama_row(name, args.editors, args, files, progress, precision)
             args.out.write_text(json.dumps(result))  # what is done survives a later failure

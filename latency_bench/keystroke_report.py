@@ -86,6 +86,66 @@ def both_answered(mine: dict, theirs: dict, key: str) -> str:
     return ", ".join(figures) + f" (n {len(sites)})"
 
 
+def served_count(r: dict) -> str:
+    """' (served of keys a next key followed)', where the run counted them."""
+    return f" ({r['served_n']:,} of {r['next_key_n']:,})" if "served_n" in r else ""
+
+
+def diff(a, b, unit: str = " ms") -> str:
+    return f"{a - b:+,.1f}{unit}" if a is not None and b is not None else "-"
+
+
+def paired(mine: dict, theirs: dict, sites: set) -> str:
+    """p50 and p99 of two {site: ms} on the same `sites`, with their difference."""
+    from latency_bench.replay import percentile_ms
+
+    parts = []
+    for q in (0.5, 0.99):
+        x, y = (percentile_ms([row[k] / 1000 for k in sites], q) for row in (mine, theirs))
+        parts.append(f"p{round(q * 100)} {fmt(x)} vs {fmt(y)} ms ({diff(x, y)})")
+    return ", ".join(parts) + f" (n {len(sites)})"
+
+
+def bridge(result: dict) -> list[str]:
+    """The LSP rows against the WebSocket's `all_on` (same server settings and
+    prompts) at each editor count both ran: what the bridge costs. An LSP
+    answer is whole, so its TTFT is its answer: beside the WebSocket's first
+    streamed text (the issue's figure) it also pays for the rest of the line;
+    beside the WebSocket's whole answer on the same keystrokes, the bridge alone."""
+    rows = result["rows"]
+    ws = rows.get("all_on", {}).get("runs", {})
+    out = []
+    for name, row in rows.items():
+        if row.get("via") != "lsp":
+            continue
+        for n, r in row["runs"].items():
+            if n not in ws:
+                continue
+            b = ws[n]
+            p50 = None if r["ttft_p50_ms"] is None or b["ttft_p50_ms"] is None else r["ttft_p50_ms"] - b["ttft_p50_ms"]
+            aim = "-" if p50 is None else ("met" if p50 <= 10 else "missed")
+            # Keystrokes both answered with text: the LSP answer against the WebSocket's `done`.
+            texts = r.get("ttft_sites", {}).keys() & b.get("ttft_sites", {}).keys() & b.get("line_sites", {}).keys()
+            out += [
+                f"- `{name}` (through `completer lsp`) minus `all_on` (the WebSocket) at {n} editor"
+                f"{'s' if n != '1' else ''}:",
+                f"  - TTFT p50 {fmt(r['ttft_p50_ms'])} vs {fmt(b['ttft_p50_ms'])} ms "
+                f"({diff(r['ttft_p50_ms'], b['ttft_p50_ms'])}; aim within 10 ms: {aim}), p99 {fmt(r['ttft_p99_ms'])} "
+                f"vs {fmt(b['ttft_p99_ms'])} ms ({diff(r['ttft_p99_ms'], b['ttft_p99_ms'])}), n {r['ttft_n']} vs "
+                f"{b['ttft_n']}: an LSP answer is whole (its TTFT is the line's end; empty answers have none), "
+                f"the WebSocket streams its first text before the line ends",
+                f"  - served before next key {fmt(r['served_before_next_key'], '%')}{served_count(r)} vs "
+                f"{fmt(b['served_before_next_key'], '%')}{served_count(b)} "
+                f"({diff(100 * r['served_before_next_key'], 100 * b['served_before_next_key'], ' points')})",
+                "  - the bridge alone, on the keystrokes both answered with text, the LSP answer vs the WebSocket's "
+                "whole answer: " + (paired(r["ttft_sites"], b["line_sites"], texts) if texts else "-"),
+                f"  - every whole answer (text or empty), end-to-end: p50 {fmt(r['e2e_p50_ms'])} vs "
+                f"{fmt(b['e2e_p50_ms'])} ms ({diff(r['e2e_p50_ms'], b['e2e_p50_ms'])}), p99 {fmt(r['e2e_p99_ms'])} vs "
+                f"{fmt(b['e2e_p99_ms'])} ms ({diff(r['e2e_p99_ms'], b['e2e_p99_ms'])}), n {r['e2e_n']} vs "
+                f"{b['e2e_n']}; on the keystrokes both answered whole, " + both_answered(r, b, "line_sites")]
+    return out
+
+
 def table(result: dict) -> list[str]:
     rows = result["rows"]
     base = rows.get("all_on", {}).get("runs", {})
@@ -99,7 +159,7 @@ def table(result: dict) -> list[str]:
             pair = both_finished(r, b) if name != "all_on" else None
             out.append(
                 f"| {name} | {n} | {r['keystrokes']:,} | {per_key(r.get('requests_per_key'))} "
-                f"| {fmt(r['served_before_next_key'], '%')} "
+                f"| {fmt(r['served_before_next_key'], '%')}{served_count(r)} "
                 f"| {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p90_ms'])} / {fmt(r['ttft_p99_ms'])} ms "
                 f"({r.get('ttft_n', '?')}) "
                 f"| {fmt(r['e2e_p50_ms'])} / {fmt(r['e2e_p99_ms'])} ms ({r.get('e2e_n', '?')}) "
@@ -212,6 +272,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(p)
 
     peers = {r.get("gguf") for r in result["rows"].values() if r["kind"] != "completer"}
+    through_lsp = bridge(result)
     # Said only of the run it comes from: which model, and llama.cpp only when it had rows.
     model = result.get("model", "default")
     served = "Default model" if model == "default" else f"Model {result.get('model_name', model)} (--model {model})"
@@ -241,6 +302,7 @@ def section(result: dict, json_path: Path, images: list[Path]) -> str:
         "",
         *aims(result),
         "",
+        *(["The LSP bridge:", "", *through_lsp, ""] if through_lsp else []),
         *[f"![{p.stem}]({rel(p)})" for p in images],
         "",
     ]

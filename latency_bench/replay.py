@@ -75,6 +75,9 @@ class ReplayOptions(msgspec.Struct, frozen=True):
     # most recently used other documents, whole, as they are now (0: none).
     context_files: int = 0
     client_wait: str = "server"  # the plugins' rule for the wait after a key (client_wait.py)
+    # How a completer editor reaches the server: "websocket" (its own frames, below) or "lsp"
+    # (through a `completer lsp` of its own over stdio, lsp_replay.py; the same frames result).
+    via: str = "websocket"
 
 
 def traces(files: list[tuple[str, str]], opts: ReplayOptions) -> list[Trace]:
@@ -257,6 +260,9 @@ async def replay(traces_: list[Trace], opts: ReplayOptions, *, url: str = "", to
     """All editors at once; every keystroke's sample."""
     samples: list[Sample] = []
     start = time.perf_counter()
+    if opts.via == "lsp" and not llama:
+        from latency_bench.lsp_replay import lsp_replay
+        return await lsp_replay(traces_, opts, url, token, progress)
     if llama:
         runs = [llama_editor(t, llama, builder_for, start, opts, samples, progress) for t in traces_]
     else:
@@ -298,6 +304,8 @@ def summarize(samples: list[Sample], deadline_ms: float = ReplayOptions().deadli
         "ttft_n": len(firsts), "e2e_n": len(ended), "itl_n": len(itl),
         "served_before_next_key": round(sum(a is not None and a <= n for a, n in first_answer)
                                         / max(1, len(first_answer)), 4),
+        # its count, of the keys a next key followed (the share's denominator)
+        "served_n": sum(a is not None and a <= n for a, n in first_answer), "next_key_n": len(first_answer),
         "whole_before_next_key": round(sum(s.next_key_s is not None and s.answer_s <= s.next_key_s
                                            for s in ended) / max(1, len(first_answer)), 4),
         **{f"ttft_p{q}_ms": percentile_ms(firsts, q / 100) for q in (50, 90, 99)},
