@@ -13,13 +13,13 @@ Each editor starts `completer lsp` over stdio before the run's clock starts
 - after the plugins' wait (`client_wait.py`), `textDocument/inlineCompletion`
   (triggerKind Automatic) at the cursor; the previous request is not awaited:
   the next key's didChange supersedes it in the bridge, which answers it
-  null. Moving to another document cancels the request in flight there
+  with no items. Moving to another document cancels the request in flight there
   (`$/cancelRequest`), as the WebSocket editor sends `cancel`.
 
-An LSP answer is whole (items, or null): `ttft_s` and `answer_s` are both the
+An LSP answer is whole (items, or none): `ttft_s` and `answer_s` are both the
 time from the key to the response, so this row's TTFT compares with the
 WebSocket row's TTFT (first streamed text) and, for what the bridge alone
-costs, with its line end-to-end (its `done`). A null answer is `done:cancelled`
+costs, with its line end-to-end (its `done`). An answer without items is `done:cancelled`
 when a later key came before it (superseded; so is the RequestCancelled error
 of a request cancelled on leaving its document), `done:empty` otherwise (the
 bridge does not say which of empty, refused or unreachable it was). The
@@ -201,7 +201,7 @@ async def lsp_editor(trace: Trace, conn: LspConnection, start: float, opts: Repl
     wait = ClientWait(opts.client_wait)
     state = EditorState(trace)
     versions: dict[int, int] = {}  # document -> its version (opened: 1)
-    pressed = -1  # the newest key pressed: a null answer after a later key was superseded
+    pressed = -1  # the newest key pressed: an empty answer after a later key was superseded
     asked: set[asyncio.Task] = set()
     last: tuple[int, int, asyncio.Task] | None = None  # the newest request: (rpc id, document, its task)
 
