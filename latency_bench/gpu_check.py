@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -37,11 +38,29 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("completer_kernels") is None:  # a checkout that is not pip-installed
-    spec = importlib.util.spec_from_file_location("completer_kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    sys.modules["completer_kernels"] = module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+
+
+def from_checkout(name: str, folder: Path) -> None:
+    """Package `name` imported from this checkout's `folder` where it is not
+    installed (a lent GPU machine gets the working tree): as a file,
+    `python latency_bench/gpu_check.py` has latency_bench/, not the root, on
+    sys.path; and kernels/ has no __init__.py (on purpose: pyproject.toml says
+    why), so `completer_kernels` is what the install maps it to, a package
+    whose modules are kernels/'s files."""
+    if importlib.util.find_spec(name) is not None:
+        return
+    if (init := folder / "__init__.py").exists():
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+    else:
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    if spec.loader is not None:
+        spec.loader.exec_module(module)
+
+
+from_checkout("completer_kernels", ROOT / "kernels")
+from_checkout("completer", ROOT / "completer")
 
 from completer import fp8  # noqa: E402
 from completer.fp8 import Fp8Linear, quantize_linears  # noqa: E402

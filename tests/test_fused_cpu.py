@@ -5,6 +5,9 @@ family model.py serves (Qwen3, Gemma 1/2/3, StarCoder2, Granite) gives through
 it the torch path's logits on the same quantized weights."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -237,12 +240,38 @@ def test_no_compiler_means_the_torch_path_with_one_line_saying_why(monkeypatch, 
     assert "could not be built (no c++)" in caplog.text
 
 
+# Run in a child process: a destructor that hangs holds the GIL, so only a
+# process that is waited for with a timeout can fail the test instead of hanging it.
+THREADS_START_AND_STOP = """
+import os, sys, time
+from completer_kernels import cpu_decode
+ext = cpu_decode.extension()
+threads = lambda: len(os.listdir("/proc/self/task"))
+for i in range(200):
+    before = threads()
+    layers = ext.FusedLayers(1, 1, 64, 1e-6, False, 2)
+    started = threads()
+    del layers  # joins its helper
+    deadline = time.monotonic() + 5  # a joined thread leaves /proc a moment after the join returns
+    while threads() != before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if started != before + 1 or threads() != before:
+        sys.exit(f"layer {i}: {before} threads, {started} with the layer, {threads()} after it")
+print("ok")
+"""
+
+
 def test_the_layer_threads_start_and_stop_at_once_however_short_their_life(ext):
     """A layer built and dropped at once (a model it cannot run) stops its helper
-    threads even when they had not yet started waiting (this hung once)."""
-    for _ in range(200):
-        layers = ext.FusedLayers(1, 1, 64, 1e-6, False, 2)
-        del layers
+    threads even when they had not yet started waiting (this hung once): each of
+    200 layers starts its one helper thread, and dropping the layer ends it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        done = subprocess.run([sys.executable, "-c", THREADS_START_AND_STOP], env=env, capture_output=True,
+                              text=True, timeout=300)  # seconds when it works, even on a loaded machine
+    except subprocess.TimeoutExpired:
+        pytest.fail("dropping a layer hung (a helper thread that never saw the stop)")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_a_mixed_int4_int8_gguf_model_runs_in_the_fused_layer_as_its_reference(ext, tmp_path):

@@ -35,7 +35,6 @@ class EngineReplica:
             m.order or None, m.device, m.fuse_projections, m.int4_dense_rows, m.kernel_cache_entries)
         self.engine = Engine.build(target, draft, config.engine, config.spec)
         self.engine.start()
-        self.names = (target.name, draft.name if draft else None)
         self.prefixes: OrderedDict[int, None] = OrderedDict()
         self.requests = 0
         self.prompt_tokens = 0
@@ -74,9 +73,6 @@ class EngineReplica:
     def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError("the engine's thread has stopped")
-
-    def model_names(self) -> tuple[str, str | None]:
-        return self.names
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

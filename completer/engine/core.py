@@ -251,17 +251,18 @@ class EngineCore:
 
     def take_closed_jobs(self) -> None:
         """The prefill jobs that closed: their sequences decode, prefill here or
-        fail, and the blocks of those whose requests ended first return."""
+        end with reason `deadline` (their worker lost, too little time left to
+        prefill here: an outcome the deadline allows, not a server fault), and
+        the blocks of those whose requests ended first return."""
         if self.disagg is None:
             return
-        ready, here, failed = self.disagg.poll()
+        ready, here, late = self.disagg.poll()
         for seq in ready + here:
             self.scheduler.prefill_here(seq)
         for seq in ready:
             self._start_decoding(seq)
-        for seq, why in failed:
-            self.output.fail(seq, "internal", why)
-            self._drop(seq)
+        for seq in late:
+            self._finish(seq, "deadline")
 
     def goes_first(self, request: Request, bulk: Sequence, end: int) -> bool:
         """Whether a request coming in goes before a running bulk pass (which

@@ -1,7 +1,8 @@
 """The engine core's side of disaggregated prefill: on admission, route a
 prompt to a worker (reserving its destination blocks first); each step, take
 in the jobs that closed (K/V complete: the sequence joins the decode batch;
-lost: prefill here if the deadline allows); when a request ends while a
+lost: prefill here if the deadline allows, else the request ends with
+reason `deadline`); when a request ends while a
 worker may still write its blocks, hand the blocks to the job until it
 closes (`disagg.remote` says who owns what)."""
 
@@ -59,11 +60,11 @@ class RemotePrefillSteps:
         state.table, state.computed, state.chain = [], 0, []
         self.remote.abort(job)
 
-    def poll(self) -> tuple[list[Sequence], list[Sequence], list[tuple[Sequence, str]]]:
+    def poll(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """The jobs that closed since the last step: (sequences whose target
         now holds the whole prompt, sequences to prefill here instead,
-        sequences that fail, with why)."""
-        ready, here, failed = [], [], []
+        sequences out of time: a prefill here would end past their deadline)."""
+        ready, here, late = [], [], []
         for closed in self.remote.poll():
             if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
                 self.kv.pools["target"].release(table)
@@ -78,25 +79,26 @@ class RemotePrefillSteps:
                 seq.timings.prefill = "remote"
                 seq.first_logits = closed.logits
                 ready.append(seq)
-            elif (why := self._recompute_here(seq, closed)) is None:
+            elif self._recompute_here(seq, closed):
                 here.append(seq)
             else:
-                failed.append((seq, why))
-        return ready, here, failed
+                late.append(seq)
+        return ready, here, late
 
-    def _recompute_here(self, seq: Sequence, closed: Closed) -> str | None:
+    def _recompute_here(self, seq: Sequence, closed: Closed) -> bool:
         """A job lost (its worker died, stalled or failed): prefill here if the
-        deadline leaves time for it (None); else why the request fails."""
+        deadline leaves time for it (True); else the request is out of time
+        (False): not a fault of the server's, an outcome a deadline allows."""
         state = seq.kv["target"]
         self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
         seq.timings.prefill_reason = "worker_lost"
         need_s = (seq.prompt_len - state.computed) / self.remote.local_tokens_s
         left_s = math.inf if seq.deadline is None else seq.deadline - time.perf_counter()
         if need_s > left_s:
-            log.warning("request %s: %s; a prefill here (~%.1f s) would miss its deadline: it fails",
-                        seq.id, closed.why, need_s)
-            return (f"prefill worker lost ({closed.why}) and {left_s:.1f} s left "
-                    f"of the deadline is too little to prefill here (~{need_s:.1f} s)")
+            log.warning("request %s: prefill worker lost (%s) and %.1f s left of its deadline is too little "
+                        "to prefill here (~%.1f s): it ends now with reason deadline", seq.id, closed.why,
+                        left_s, need_s)
+            return False
         log.warning("request %s: %s (%s); prefilling it here instead", seq.id, closed.why,
                     "mid-transfer" if closed.mid_transfer else "before any K/V arrived")
-        return None
+        return True
