@@ -47,7 +47,7 @@ import msgspec
 
 from latency_bench.client_wait import ClientWait
 from latency_bench.keystrokes import EditorState, Trace
-from latency_bench.replay import DRAIN_S, ReplayOptions, Sample, accepted, keys_in_time
+from latency_bench.replay import DRAIN_S, ReplayOptions, Sample, accepted, keys_in_time, wait_to_send
 
 REQUEST_CANCELLED = -32800  # LSP's error code for a request the client cancelled
 STARTUP_S = 60.0  # `completer lsp` to answer initialize (imports on a loaded 2-core machine)
@@ -250,14 +250,8 @@ async def lsp_editor(trace: Trace, conn: LspConnection, start: float, opts: Repl
                                           "end": position(before, key.at)}, "text": key.insert}]})
         state.press(key)
         pressed = n
-        wait.keystroke(at)
-        delay = wait.delay(at)
-        if delay > 0 and nxt is not None and nxt <= delay:  # the next key comes first: nothing sent
-            samples.append(Sample(trace.editor, n, at, nxt, key.expect, outcome="not_sent", wait_s=delay))
-            progress()
+        if (delay := await wait_to_send(wait, trace, n, key, at, nxt, start, samples, progress)) is None:
             continue
-        if delay > 0:
-            await asyncio.sleep(max(0.0, start + at + delay - time.perf_counter()))
         if last is not None and last[1] != key.doc and not last[2].done():  # left that document
             conn.cancel(last[0])
         s = Sample(trace.editor, n, time.perf_counter() - start - delay, nxt, key.expect, wait_s=delay)

@@ -85,6 +85,21 @@ def traces(files: list[tuple[str, str]], opts: ReplayOptions) -> list[Trace]:
     return [make_trace(files, opts.seed, e, keys, opts.run) for e in range(opts.editors)]
 
 
+async def wait_to_send(wait: ClientWait, trace: Trace, n: int, key, at: float, nxt: float | None, start: float,
+                       samples: list[Sample], progress) -> float | None:
+    """The client's wait after key `n` (pressed at `at`), slept through; None when
+    the next key comes first (the key is recorded as not sent)."""
+    wait.keystroke(at)
+    delay = wait.delay(at)
+    if delay > 0 and nxt is not None and nxt <= delay:
+        samples.append(Sample(trace.editor, n, at, nxt, key.expect, outcome="not_sent", wait_s=delay))
+        progress()
+        return None
+    if delay > 0:
+        await asyncio.sleep(max(0.0, start + at + delay - time.perf_counter()))
+    return delay
+
+
 def accepted(sample: Sample) -> bool:
     """The user's next keys are the suggestion (a Tab would have saved them)."""
     shown = sample.text.rstrip()
@@ -152,14 +167,8 @@ async def completer_editor(trace: Trace, url: str, token: str, start: float, opt
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             prefix, suffix = state.press(key)
             rid = f"{trace.editor}-{n}"
-            wait.keystroke(at)
-            delay = wait.delay(at)
-            if delay > 0 and nxt is not None and nxt <= delay:  # the next key comes first: nothing sent
-                samples.append(Sample(trace.editor, n, at, nxt, key.expect, outcome="not_sent", wait_s=delay))
-                progress()
+            if (delay := await wait_to_send(wait, trace, n, key, at, nxt, start, samples, progress)) is None:
                 continue
-            if delay > 0:
-                await asyncio.sleep(max(0.0, start + at + delay - time.perf_counter()))
             if last is not None and last[1] != key.doc and last[0] in live:  # left that document
                 await ws.send(json.dumps({"type": "cancel", "id": last[0]}))
             s = Sample(trace.editor, n, time.perf_counter() - start - delay, nxt, key.expect, wait_s=delay)

@@ -235,7 +235,8 @@ class CompleterLanguageServer(LanguageServer):
         return lsp.InlineCompletionList(items=[
             lsp.InlineCompletionItem(
                 insert_text=t + rest, range=lsp.Range(start=params.position, end=end),
-                command=lsp.Command(title="completer: accepted", command=ACCEPT_COMMAND, arguments=[done.id, i, len(t)]))
+                command=lsp.Command(title="completer: accepted", command=ACCEPT_COMMAND,
+                                    arguments=[done.id, i, len(t)]))
             for i, t in enumerate(texts)])
 
 
