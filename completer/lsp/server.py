@@ -92,6 +92,7 @@ class CompleterLanguageServer(LanguageServer):
         self.shown: dict[str, Shown] = {}  # document uri -> its items last returned
         self.asked: dict[str, int] = {}  # document uri -> the newest inlineCompletion's number
         self.priming: str | None = None  # the id of the last prime sent
+        self.verdicts: dict[str, str | None] = {}  # document uri -> why it may not be sent (None: it may)
 
     def tell(self, message: str, kind: lsp.MessageType = lsp.MessageType.Warning) -> None:
         self.window_show_message(lsp.ShowMessageParams(type=kind, message=message))
@@ -115,6 +116,7 @@ class CompleterLanguageServer(LanguageServer):
     def configure(self, raw: object) -> None:
         try:
             self.settings = updated(self.settings, raw)
+            self.verdicts.clear()
         except msgspec.ValidationError as e:
             self.tell(f"completer: settings not applied: {e}", lsp.MessageType.Error)
         self.ring.changed()
@@ -125,12 +127,19 @@ class CompleterLanguageServer(LanguageServer):
         """The open documents that may be sent (privacy.py)."""
         return {uri: OpenDocument(uri, doc.source, doc.language_id or "")
                 for uri, doc in self.workspace.text_documents.items()
-                if privacy.blocked(uri, self.settings) is None}
+                if self.blocked(uri) is None}
+
+    def blocked(self, uri: str) -> str | None:
+        """privacy.blocked, remembered per document until the settings change: a
+        request checks every open document, and each check matches ~45 globs."""
+        if uri not in self.verdicts:
+            self.verdicts[uri] = privacy.blocked(uri, self.settings)
+        return self.verdicts[uri]
 
     def opened(self, doc: TextDocument) -> None:
         self.ring.touch(doc.uri)
         self.ring.changed()
-        if not (self.settings.enabled and self.settings.prime) or privacy.blocked(doc.uri, self.settings):
+        if not (self.settings.enabled and self.settings.prime) or self.blocked(doc.uri):
             return
         # Warm the server's cache for the document (max_tokens 0): its first keystroke finds it prefilled.
         # One prime at a time: an editor restoring a session opens many documents at once, and the
@@ -156,6 +165,7 @@ class CompleterLanguageServer(LanguageServer):
         self.report_unaccepted(uri, None)
         self.ring.close(uri)
         self.asked.pop(uri, None)
+        self.verdicts.pop(uri, None)
 
     def workspace_of(self, uri: str) -> str:
         """The workspace folder holding `uri` (the longest), else the root, else ''."""
@@ -190,7 +200,7 @@ class CompleterLanguageServer(LanguageServer):
         uri = params.text_document.uri
         doc = self.workspace.text_documents.get(uri)
         settings = self.settings
-        if doc is None or not settings.enabled or privacy.blocked(uri, settings):
+        if doc is None or not settings.enabled or self.blocked(uri):
             return empty()
         number = self.asked[uri] = self.asked.get(uri, 0) + 1
         lines = list(doc.lines)  # (split once: each of pygls' conversions would split the document again)
