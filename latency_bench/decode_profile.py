@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from completer.engine.block_manager import BlockManager
 from completer.engine.config import EngineConfig
 from completer.engine.engine import Engine, run_in_passing_thread
+from completer.engine.kv_cache_manager import advance
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
@@ -43,11 +44,10 @@ def operator_table(loaded: LoadedModel, context: int, steps: int, rows: int, thr
     for state in states:
         manager.grow(state.table, context + width)
         runner.execute([state], [[1] * context], last_only=True)
+        advance([state], [context])
 
-    def step() -> None:
+    def step() -> None:  # (the same positions each time: a pass leaves `computed` as it is)
         runner.execute(states, [[7] * width] * batch, last_only=width == 1)
-        for state in states:
-            state.computed = context
 
     for _ in range(5):
         step()

@@ -258,6 +258,7 @@ def production_step(model: Transformer, batch: int, context: int, graphs: bool):
     graph; every row sits at `context` tokens (its new token's K/V is written
     over at each call)."""
     from completer.engine.block_manager import BlockManager
+    from completer.engine.kv_cache_manager import restart
     from completer.engine.model_runner import ModelRunner
     from completer.engine.paged_kv import KVPool
     from completer.engine.sequence import CacheState
@@ -271,11 +272,10 @@ def production_step(model: Transformer, batch: int, context: int, graphs: bool):
     states = [CacheState() for _ in range(batch)]
     for state in states:
         blocks.grow(state.table, context)
+        restart(state, context - 1)
     rows = [[int(t)] for t in torch.randint(1, model.config.vocab_size, (batch,))]
 
-    def step() -> None:
-        for state in states:
-            state.computed = context - 1
+    def step() -> None:  # (the same position each time: a pass leaves `computed` as it is)
         runner.execute(states, rows, last_only=True)
 
     return step

@@ -32,24 +32,70 @@ def test_every_module_named_exists_and_every_module_is_named():
     assert not unnamed, f"modules docs/architecture.md does not name: {unnamed}"
 
 
-def test_only_the_scheduler_changes_a_requests_status():
-    """vLLM v1's step contract: the scheduler alone moves a request between
-    waiting, prefill, remote, decode and finished; the core, candidates and
-    disaggregation ask it to (a status written elsewhere is a second owner)."""
+def assignments(attr: str, in_tuples: bool = True) -> set[str]:
+    """`path:line` of every assignment to an attribute named `attr` in
+    completer/ (plain, annotated, augmented, and with `in_tuples` inside tuple targets)."""
     import ast
 
-    writers = set()
+    out = set()
     for path in (ROOT / "completer").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
                 if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-            for target in targets:
-                if isinstance(target, ast.Attribute) and target.attr == "status":
-                    writers.add(f"{path.relative_to(ROOT)}:{node.lineno}")
+            flat = [t for target in targets
+                    for t in (target.elts if in_tuples and isinstance(target, ast.Tuple) else [target])]
+            if any(isinstance(t, ast.Attribute) and t.attr == attr for t in flat):
+                out.add(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_only_the_scheduler_changes_a_requests_status():
+    """vLLM v1's step contract: the scheduler alone moves a request between
+    waiting, prefill, remote, decode and finished; the core, candidates and
+    disaggregation ask it to (a status written elsewhere is a second owner)."""
+    writers = assignments("status", in_tuples=False)  # (an HTTP error's `status` is set in a tuple)
     files = {w.split(":")[0] for w in writers}
     assert files == {"completer/engine/scheduler.py", "completer/engine/sequence.py"}, sorted(writers)
     # sequence.py only sets the initial WAITING
     assert sum(w.startswith("completer/engine/sequence.py") for w in writers) == 1
+
+
+def test_kv_progress_is_written_in_one_module():
+    """A sequence's K/V progress (`CacheState.computed`) moves in
+    kv_cache_manager.py alone (sequence.py starts it at 0): the runner
+    returns logits, and the step's update advances, publishes and rolls back."""
+    writers = assignments("computed")
+    files = {w.split(":")[0] for w in writers}
+    assert files == {"completer/engine/kv_cache_manager.py", "completer/engine/sequence.py"}, sorted(writers)
+    assert sum(w.startswith("completer/engine/sequence.py") for w in writers) == 1
+
+
+def test_live_requests_have_one_registry_the_schedulers():
+    """One registry of live requests: no other attribute maps ids (of
+    requests or jobs) to sequences or candidate groups."""
+    import ast
+
+    registries = set()
+    for path in (ROOT / "completer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
+                    re.fullmatch(r"dict\[.*, (Sequence|CandidateGroup)\]", ast.unparse(node.annotation)):
+                registries.add(f"{path.relative_to(ROOT)}:{node.target.attr}")
+    assert registries == {"completer/engine/scheduler.py:requests"}
+
+
+def test_the_step_reads_as_plan_run_update():
+    """EngineCore._step: the scheduler's plan, the executor's passes, and
+    `update` applying each output; no pass is run, nor K/V touched, in core.py."""
+    import ast
+
+    source = (ROOT / "completer" / "engine" / "core.py").read_text()
+    step = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "_step")
+    calls = [ast.unparse(n.func) for n in ast.walk(step) if isinstance(n, ast.Call)]
+    assert "self.scheduler.schedule" in calls
+    assert {"self.executor.prefill", "self.executor.decode"} <= set(calls)
+    assert calls.count("self.update") >= 2
+    assert not re.search(r"\.execute\(|\.start\(\[|kv\.(allocate|rollback|publish|grow)\(", source)
 
 
 # -- README's Layout, checked against the tree and docs/architecture.md ------------------------------

@@ -13,15 +13,15 @@ def test_a_long_prefill_does_not_carry_a_decoding_request_past_its_deadline(mode
     run(core, [Request("warm-up", short, SamplingParams(max_tokens=4, mode="free"))])  # first passes are slow
     core.add(Request("typing", short, SamplingParams(max_tokens=50, mode="free", deadline_s=0.5)))
     core.step()  # its prefill and first token: it is decoding now
-    prefill = core._prefill
+    prefill = core.executor.prefill
 
     def slow_prefill(plan):  # a prefill that takes longer than the other's deadline
         time.sleep(0.8)
-        prefill(plan)
+        return prefill(plan)
 
-    core._prefill = slow_prefill
+    core.executor.prefill = slow_prefill
     core.add(Request("open-file", long_prompt, SamplingParams(max_tokens=4, mode="free")))
     events = core.step()
     ended = {e.id: e.reason for e in events if isinstance(e, Finished)}
     assert ended.get("typing") == "deadline"  # in this step, before the decode pass it would overrun
-    assert "typing" not in core.by_id
+    assert "typing" not in core.scheduler.requests

@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 
 from completer.config import load_config
+from completer.disagg.connector import RemotePrefillConnector
 from completer.disagg.decision import Estimates, PoolState, decide
 from completer.disagg.local_workers import LocalWorker
 from completer.disagg.remote import RemotePrefill
@@ -132,7 +133,8 @@ async def complete(engine: Engine, pipeline: CompletionPipeline, request_id: str
 
 
 def engine_with(target, remote: RemotePrefill | None, config=CONFIG) -> Engine:
-    return Engine.build(target, None, config.engine, config.spec, remote=remote)
+    return Engine.build(target, None, config.engine, config.spec,
+                        connector=RemotePrefillConnector(remote) if remote is not None else None)
 
 
 def blocks_referenced(engine: Engine) -> int:
@@ -236,7 +238,7 @@ def interrupted_mid_transfer(target, how: signal.Signals,
             except EngineError as e:
                 done = e
             ended = time.perf_counter() - signalled
-            assert blocks_referenced(engine) == 0 and not engine.core.disagg.held_by_jobs
+            assert blocks_referenced(engine) == 0 and not engine.core.connector.held_by_jobs
             return done, await complete(local, pipeline, "local", doc), ended
         finally:
             engine.stop()
@@ -313,7 +315,7 @@ def test_a_hundred_requests_with_a_third_cancelled_mid_transfer_leave_no_block_h
                 seq = None
                 waited = time.monotonic() + 60  # a loaded machine is slow to start the transfer: no timing here
                 while time.monotonic() < waited:  # until its K/V is on the way (or it is over)
-                    seq = engine.core.by_id.get(request.id)
+                    seq = engine.core.scheduler.requests.get(request.id)
                     job = seq.remote_job if seq is not None else None
                     link_jobs = remote.links[0].jobs
                     if job is not None and job in link_jobs and link_jobs[job].groups:
@@ -334,11 +336,11 @@ def test_a_hundred_requests_with_a_third_cancelled_mid_transfer_leave_no_block_h
                 await asyncio.gather(*(one(i) for i in range(start, min(start + 8, total))))
             patience = time.monotonic() + 120  # the last aborts' answers: slow on a loaded machine
             while time.monotonic() < patience:
-                if not engine.core.disagg.held_by_jobs and remote.worker_blocks_held.get(worker.address) == 0:
+                if not engine.core.connector.held_by_jobs and remote.worker_blocks_held.get(worker.address) == 0:
                     break
                 await asyncio.sleep(0.05)
             return (terminal, outcomes, len(cancels), cancelled_mid_transfer, blocks_referenced(engine),
-                    dict(engine.core.disagg.held_by_jobs), remote.worker_blocks_held.get(worker.address),
+                    dict(engine.core.connector.held_by_jobs), remote.worker_blocks_held.get(worker.address),
                     remote.workers_up)
         finally:
             engine.stop()
@@ -381,7 +383,7 @@ def test_blocks_held_by_jobs_whose_requests_ended_return_when_the_stalled_worker
                 if not remote.workers_up and blocks_referenced(engine) == 0:
                     break
                 await asyncio.sleep(0.1)
-            return reasons, held, remote.workers_up, blocks_referenced(engine), dict(engine.core.disagg.held_by_jobs)
+            return reasons, held, remote.workers_up, blocks_referenced(engine), dict(engine.core.connector.held_by_jobs)
         finally:
             engine.stop()
 

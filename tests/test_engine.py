@@ -102,7 +102,7 @@ def test_first_tokens_leave_before_the_decode_pass_and_a_cancel_meanwhile_skips_
     assert not any(isinstance(e, Finished) for e in seen)
     finished = {e.id: e for e in after if isinstance(e, Finished)}
     assert finished["b"].reason == "cancelled" and finished["b"].timings.generated_tokens == 1
-    assert "a" not in finished and core.by_id["a"].kv["target"].computed > len(ps[0])  # "a" decoded on
+    assert "a" not in finished and core.scheduler.requests["a"].kv["target"].computed > len(ps[0])  # "a" decoded on
 
 
 def test_deadline_and_length(models, tokenizer):
@@ -147,22 +147,22 @@ async def test_a_failing_step_ends_its_requests_as_internal_and_the_engine_goes_
     core = make_core(models, tokenizer)
     engine = Engine(core)
     engine.start()
-    verify, calls = core._verify, []
+    verify, calls = core.executor.decode, []
 
-    def verify_that_fails_once(seqs, proposals):  # a fault injected into one step (nothing else is faked)
+    def verify_that_fails_once(seqs):  # a fault injected into one step (nothing else is faked)
         calls.append(len(seqs))
         if len(calls) == 1:
             raise RuntimeError("injected fault")
-        return verify(seqs, proposals)
+        return verify(seqs)
 
-    core._verify = verify_that_fails_once
+    core.executor.decode = verify_that_fails_once
     try:
         p = prompts(2, seed=3)
         with pytest.raises(EngineError) as e:
             await asyncio.wait_for(engine.submit(Request("a", p[0], free_mode(30))).finished(), 30)
         assert e.value.code == "internal" and "RuntimeError: injected fault" in str(e.value)
         assert usage(core) == 0 and usage(core, "draft") == 0
-        assert not core.scheduler.running and not core.by_id
+        assert not core.scheduler.running and not core.scheduler.requests
         # The engine thread lives on: the next request decodes to its length.
         after = await asyncio.wait_for(engine.submit(Request("b", p[1], free_mode(8))).finished(), 30)
         assert after.reason == "length" and after.timings.generated_tokens == 8
@@ -176,7 +176,7 @@ def test_token_healing_constrains_the_first_tokens(models, tokenizer):
     heal = tokenizer.token_bytes(tokenizer.encode("def")[0])
     p = prompts(1, seed=11)[0]
     core.add(Request("h", p, free_mode(8), heal=heal))
-    seq = core.by_id["h"]
+    seq = core.scheduler.requests["h"]
     done = None
     while core.has_work:
         for e in core.step():

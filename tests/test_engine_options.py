@@ -25,7 +25,7 @@ def ranked_first_tokens(models, prompt: list[int], count: int) -> list[int]:
 
 def all_returned(core) -> bool:
     """Every block of every pool back, and no sequence left."""
-    return all(pool.usage() == 0 for pool in core.kv.pools.values()) and not core.by_id \
+    return all(pool.usage() == 0 for pool in core.kv.pools.values()) and not core.scheduler.requests \
         and not core.scheduler.running
 
 
@@ -103,7 +103,7 @@ def test_a_request_unsure_of_its_first_token_ends_with_nothing_and_no_candidates
 def test_cancelling_a_request_ends_its_candidates_and_frees_their_blocks(models, tokenizer):
     core = make_core(models, tokenizer)
     core.add(Request("a", prompts(1, seed=5)[0], SamplingParams(max_tokens=30, mode="free", n=3)))
-    step_until(core, lambda: len(core.by_id) == 3)  # the request and its two candidates
+    step_until(core, lambda: len(core.scheduler.requests) == 3)  # the request and its two candidates
     core.abort("a")
     finished = [e for e in core.step() if isinstance(e, Finished)]
     assert [(f.id, f.reason, f.candidates) for f in finished] == [("a", "cancelled", ())]
@@ -116,7 +116,7 @@ def test_a_request_that_ended_first_answers_once_its_candidates_end_or_a_cancel_
         core = make_core(models, tokenizer, draft=None)
         core.add(Request("a", prompt, SamplingParams(max_tokens=2, mode="free", n=2)))
         events = core.step()  # prefill, first token and the fork; a decode pass ends the request
-        assert "a" not in core.by_id and len(core.by_id) == 1  # only its candidate runs
+        assert "a" not in core.scheduler.requests and len(core.scheduler.requests) == 1  # only its candidate runs
         assert not [e for e in events if isinstance(e, Finished)]  # its answer waits for the candidate
         if cancel:
             core.abort("a")

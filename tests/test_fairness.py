@@ -33,7 +33,7 @@ def test_one_clients_flood_of_prompts_never_plans_before_anothers_keystroke(mode
     for i in range(8):
         core.add(Request(f"flood{i}", cold(30 + i), free_mode(8), client="flooder"))
     core.add(Request("key", prompts(1, seed=5)[0], free_mode(4), client="typist"))
-    plan = [seq.id for seq, _ in core.scheduler.schedule(time.perf_counter()).prefill]
+    plan = [c.seq.id for c in core.scheduler.schedule(time.perf_counter()).prefill]
     assert plan[0] == "key", plan  # first come, first served planned flood0 and flood1 (the whole budget)
 
 
@@ -74,7 +74,7 @@ def test_a_deadline_passing_during_the_drafters_catch_up_ends_the_request_within
     def timed(states, batch, *args, **kwargs):
         rows.append(len(batch[0]))
         if len(batch[0]) > 1:  # a catch-up pass: the deadline passes during it
-            core.by_id["long"].deadline = time.perf_counter()
+            core.scheduler.requests["long"].deadline = time.perf_counter()
         return execute(states, batch, *args, **kwargs)
 
     drafter.runner.execute = timed

@@ -59,18 +59,18 @@ def test_a_bulk_pass_stops_between_layers_for_a_keystroke_and_goes_on_from_there
     keystroke = prompts(1, seed=5)[0]
     key = Request("key", keystroke, free_mode(4))
     assert core.step(ArrivingLoop(2, key)) == []  # one layer ran, then a keystroke came
-    bulk = core.by_id["bulk"]
-    assert bulk.bulk and bulk.kv["target"].computed == 0 and ("target", "bulk") in core.paused
+    bulk = core.scheduler.requests["bulk"]
+    assert bulk.bulk and bulk.kv["target"].computed == 0 and ("target", "bulk") in core.executor.paused
 
     core.add(key)
     events = core.step(StepLoop())
     assert any(isinstance(e, Delta) and e.id == "key" for e in events)  # its first token, bulk still stopped
-    assert bulk.kv["target"].computed == 0 and ("target", "bulk") in core.paused
+    assert bulk.kv["target"].computed == 0 and ("target", "bulk") in core.executor.paused
 
     done = {}
     while core.has_work:
         done.update({e.id: e for e in core.step() if isinstance(e, Finished)})
-    assert core.by_id == {} and done["bulk"].text == reference.text and done["key"].reason == "length"
+    assert core.scheduler.requests == {} and done["bulk"].text == reference.text and done["key"].reason == "length"
     bulk_passes = [n for n in started if n > len(keystroke)]
     assert bulk_passes == [256, 256, 88], "the stopped pass went on; no chunk was computed twice"
     assert usage(core) == 0
@@ -84,7 +84,7 @@ def test_a_keystroke_is_planned_before_a_long_prompt_that_came_first_and_not_wit
         core.add(Request("bulk", long_prompt(), free_mode(8)))
         core.add(Request("key", prompts(1, seed=5)[0], free_mode(4)))
         plan = core.scheduler.schedule(0.0)
-        planned = [seq.id for seq, _ in plan.prefill]
+        planned = [c.seq.id for c in plan.prefill]
         assert planned == (["key"] if interactive_first else ["bulk"])  # off: the long prompt takes the budget
 
 
@@ -92,9 +92,9 @@ def test_a_prime_is_bulk_work_and_a_cancel_drops_its_stopped_pass(models, tokeni
     core = make_core(models, tokenizer, draft=None, config=BULK)
     core.add(Request("prime", prompts(1, seed=2)[0], SamplingParams(max_tokens=0)))
     assert core.step(ArrivingLoop(1, Request("key", prompts(1, seed=5)[0], free_mode(4)))) == []
-    assert core.by_id["prime"].bulk and ("target", "prime") in core.paused
+    assert core.scheduler.requests["prime"].bulk and ("target", "prime") in core.executor.paused
     core.abort("prime")
-    assert core.paused == {} and usage(core) == 0
+    assert core.executor.paused == {} and usage(core) == 0
 
 
 def test_bulk_work_starved_by_decoding_keystrokes_gets_a_slice_after_bulk_starve_ms(models, tokenizer):
@@ -106,7 +106,7 @@ def test_bulk_work_starved_by_decoding_keystrokes_gets_a_slice_after_bulk_starve
     assert core.scheduler.schedule(10.0).prefill == []  # behind the decoding keystroke
     assert core.scheduler.schedule(10.4).prefill == []
     plan = core.scheduler.schedule(10.6)
-    assert [(s.id, s.bulk) for s, _ in plan.prefill] == [("bulk", True)] and plan.slice_until == pytest.approx(10.625)
+    assert [(c.seq.id, c.seq.bulk) for c in plan.prefill] == [("bulk", True)] and plan.slice_until == pytest.approx(10.625)
 
 
 @pytest.mark.parametrize("interactive_first", [True, False])
@@ -142,7 +142,7 @@ def test_a_shorter_bulk_prompt_stops_a_longer_ones_pass_and_both_keep_their_prog
     core.add(Request("long", long_prompt(600), free_mode(4)))
     short = Request("short", long_prompt(120)[7:], free_mode(4))
     core.step(ArrivingLoop(2, short))
-    assert ("target", "long") in core.paused  # stopped after a layer for the shorter one
+    assert ("target", "long") in core.executor.paused  # stopped after a layer for the shorter one
     core.add(short)
     done = {}
     while core.has_work:
@@ -161,7 +161,7 @@ def test_the_drafter_makes_no_catch_up_pass_over_a_bulk_prompt_and_the_ngram_pro
     core.add(Request("bulk", long_prompt(), free_mode(8)))
     core.add(Request("key", long_prompt(40), free_mode(8)))
     core.step(StepLoop())  # both admitted; the keystroke prefilled
-    bulk, key = core.by_id["bulk"], core.by_id["key"]
+    bulk, key = core.scheduler.requests["bulk"], core.scheduler.requests["key"]
     assert bulk.bulk and not key.bulk
     assert drafter.offer(bulk, 4) == 0 and drafter.offer(key, 4) == 4
     done = {}
@@ -177,7 +177,7 @@ def test_a_keystroke_after_the_prime_of_its_position_lets_the_primes_pass_finish
     core.add(Request("prime", prompt, SamplingParams(max_tokens=0)))
     keystroke = Request("key", prompt + [7, 8], free_mode(4))
     core.step(ArrivingLoop(2, keystroke))
-    assert ("target", "prime") not in core.paused  # its pass went on: it is the keystroke's prefill
+    assert ("target", "prime") not in core.executor.paused  # its pass went on: it is the keystroke's prefill
     core.add(keystroke)
     done = {}
     while core.has_work:

@@ -82,7 +82,7 @@ def test_deferred_draft_prefill_keeps_greedy_output_and_the_first_token_waits_fo
         core.add(Request("a", ps[0], free_mode(16)))
         seen = []
         core.step(StepLoop(lambda events: seen.append(  # noqa: B023
-            (core.by_id["a"].num_generated, core.by_id["a"].kv["draft"].computed)) or []))
+            (core.scheduler.requests["a"].num_generated, core.scheduler.requests["a"].kv["draft"].computed)) or []))
         assert seen == [(1, drafter_has)]
         while core.has_work:
             core.step()
@@ -110,7 +110,7 @@ def test_a_decode_pass_whose_requests_were_all_superseded_is_given_up(models, co
     waiting: list[str] = []
 
     def loop_of(core):
-        return StepLoop(lambda events: [w for w in waiting if w in core.by_id],
+        return StepLoop(lambda events: [w for w in waiting if w in core.scheduler.requests],
                         lambda ids: bool(waiting) and set(ids) <= set(waiting))
 
     core.add(Request("old", p, free_mode(20)))

@@ -69,7 +69,7 @@ def test_engine_streams_the_text_of_its_tokens(tk):
                             SpecConfig(ngram=False, draft_model=False), num_blocks={"target": 64})
     prompt = tk.encode(CODE[:200])
     core.add(Request("r", prompt, SamplingParams(max_tokens=40, mode="free")))
-    seq, streamed, done = core.by_id["r"], "", None
+    seq, streamed, done = core.scheduler.requests["r"], "", None
     while core.has_work:
         for event in core.step():
             if isinstance(event, Finished):

@@ -95,12 +95,12 @@ def test_warming_runs_after_all_other_bulk_work_and_never_gets_a_starved_slice(m
     core.add(Request("warm", long_prompt(100, seed=3), WARM, warm=True))
     core.add(Request("prime", long_prompt(600), WARM))
     plan = core.scheduler.schedule(0.0)
-    assert [s.id for s, _ in plan.prefill] == ["prime"]  # though the warm prompt has less left
+    assert [c.seq.id for c in plan.prefill] == ["prime"]  # though the warm prompt has less left
     core.abort("prime")
 
     core.add(Request("key", prompts(1, seed=5)[0], free_mode(40)))
     core.step(StepLoop())  # the keystroke prefilled: it decodes now
-    assert core.by_id["warm"].bulk and core.by_id["warm"].kv["target"].computed == 0
+    assert core.scheduler.requests["warm"].bulk and core.scheduler.requests["warm"].kv["target"].computed == 0
     for now in (10.0, 10.6, 30.0):  # a prime would get its slice past bulk_starve_ms; warming never
         assert core.scheduler.schedule(now).prefill == []
 
@@ -124,12 +124,12 @@ def test_a_warm_pass_stops_for_any_other_request_and_never_stops_another_pass(mo
     core = make_core(models, tokenizer, draft=None, config=BULK)
     core.add(Request("warm", long_prompt(600), WARM, warm=True))
     core.scheduler.schedule(0.0)
-    warm = core.by_id["warm"]
+    warm = core.scheduler.requests["warm"]
     prime = Request("prime", long_prompt(900, seed=4), WARM)  # more left than the warm prompt: still first
     assert core.goes_first(prime, warm, 256)
     core.add(Request("other", long_prompt(300, seed=5), WARM))
     core.scheduler.schedule(0.0)
-    assert not core.goes_first(Request("warm2", long_prompt(50, seed=6), WARM, warm=True), core.by_id["other"], 256)
+    assert not core.goes_first(Request("warm2", long_prompt(50, seed=6), WARM, warm=True), core.scheduler.requests["other"], 256)
 
 
 def test_a_warm_prompt_already_cached_ends_at_once_without_a_pass(models, tokenizer):

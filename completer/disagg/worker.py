@@ -32,6 +32,7 @@ from completer.disagg.messages import (PROTOCOL, Abort, Aborted, Done, Failed, G
 from completer.disagg.transport import ChannelClosed, FrameChannel, KVPair
 from completer.engine.block_manager import BlockManager, OutOfBlocks
 from completer.engine.calibration import prefill_rate
+from completer.engine.kv_cache_manager import advance, restart
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool, pool_blocks
 from completer.engine.sequence import CacheState
@@ -255,7 +256,7 @@ class PrefillWorker:
             raise JobAborted
         tokens, have = msg.tokens, msg.have
         state.table, state.chain = self.blocks.match_prefix(tokens, msg.salt)
-        state.computed = len(state.table) * self.pool.block_size
+        restart(state, len(state.table) * self.pool.block_size)
         self.blocks.grow(state.table, len(tokens))
         layers = self.pool.k.shape[0]
         if state.computed > have:  # held here already: only sent
@@ -276,6 +277,7 @@ class PrefillWorker:
                         self._ship(job, state, lo, b, first, layer + 1, sends)
 
                 logits = self.runner.execute([state], [tokens[a:b]], last_only=True, layer_written=written)[0]
+                advance([state], [b - a])
                 computed += b - a
                 self.blocks.publish(state.table, state.chain, tokens, state.computed, msg.salt)
         return logits, computed

@@ -2,8 +2,8 @@
 request: the compiled passes (`engine.compile`); a target pass of every
 verify width (and a drafter step) at a few batch sizes, so speculation
 decides from this machine's costs from the first request on (the policy
-keeps refining them as it runs); the prefill rate, which disaggregation's
-decision starts from (a worker measures its own)."""
+keeps refining them as it runs); the prefill rate, which a KV connector's
+decision starts from (a prefill worker measures its own)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from completer.engine.block_manager import BlockManager
+from completer.engine.kv_cache_manager import advance
 from completer.engine.model_runner import ModelRunner
 from completer.engine.sequence import CacheState
 
@@ -28,7 +29,7 @@ def prepare(core: EngineCore) -> None:
     compile_passes(core)
     if core.spec.adaptive and core.speculator.proposers:
         calibrate_speculation(core)
-    if core.disagg is not None:
+    if core.connector is not None:
         calibrate_prefill(core)
 
 
@@ -42,6 +43,7 @@ def time_passes(runner: ModelRunner, blocks: BlockManager, batch: int, widths: l
     for state in states:
         blocks.grow(state.table, context + max(widths))
     runner.execute(states, [[1] * context] * batch, last_only=True)
+    advance(states, [context] * batch)  # (the timed passes below write after it and leave it as it is)
     timed = {}
     for width in widths:
         times = []
@@ -49,8 +51,6 @@ def time_passes(runner: ModelRunner, blocks: BlockManager, batch: int, widths: l
             started = time.perf_counter()
             int(runner.execute(states, [[1] * width] * batch).argmax())  # waits for the result
             times.append(time.perf_counter() - started)
-            for state in states:
-                state.computed = context
         timed[width] = sorted(times)[len(times) // 2]
     for state in states:
         blocks.release(state.table)
@@ -65,8 +65,7 @@ def prefill_rate(runner: ModelRunner, blocks: BlockManager, tokens: int, reps: i
     state = CacheState()
     blocks.grow(state.table, tokens)
     best = float("inf")
-    for _ in range(reps + 1):
-        state.computed = 0
+    for _ in range(reps + 1):  # (each pass writes the same positions: a pass leaves `computed` as it is)
         started = time.perf_counter()
         runner.execute([state], [[1] * tokens], last_only=True).argmax().item()
         best = min(best, time.perf_counter() - started)
@@ -116,7 +115,7 @@ def calibrate_speculation(core: EngineCore, context: int = 256, reps: int = 3,
 
 
 def calibrate_prefill(core: EngineCore) -> None:
-    """Disaggregation decides from this machine's prefill rate from the first request on."""
+    """A KV connector decides from this machine's prefill rate from the first request on."""
     previous = torch.get_num_threads()
     torch.set_num_threads(core.prefill_threads)
     try:
@@ -124,4 +123,4 @@ def calibrate_prefill(core: EngineCore) -> None:
     finally:
         torch.set_num_threads(previous)
     if rate is not None:
-        core.disagg.remote.local_tokens_s = rate
+        core.connector.set_prefill_rate(rate)

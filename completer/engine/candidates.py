@@ -23,38 +23,35 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import msgspec
-import torch
 
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.request import Finished, FinishReason, Request
 from completer.engine.scheduler import Scheduler
-from completer.engine.sequence import CandidateGroup, Sequence
+from completer.engine.sequence import CandidateGroup, Sequence, Status
 
 CANDIDATE_ID_SEPARATOR = "\x00candidate-"  # no editor names a request so; a clash skips the candidate
 
 
 class Candidates:
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, stop_ids: set[int], max_batch: int,
-                 by_id: dict[str, Sequence], new_sequence: Callable[[Request], Sequence]):
-        """by_id: the core's sequences by id (candidates join it); new_sequence: how the core builds one."""
-        self.kv, self.scheduler, self.stop_ids = kv, scheduler, stop_ids
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, max_batch: int,
+                 new_sequence: Callable[[Request], Sequence]):
+        """new_sequence: how the core builds one. Candidates join the scheduler's registry as requests do."""
+        self.kv, self.scheduler = kv, scheduler
         self.max_batch = max_batch
-        self.by_id = by_id
         self.new_sequence = new_sequence
-        self.ended_first: dict[str, CandidateGroup] = {}  # request id -> its group, while only candidates run
 
-    def fork(self, seq: Sequence, logits: torch.Tensor, chosen: int) -> None:
+    def fork(self, seq: Sequence, first_tokens: list[int]) -> None:
         """Start `seq`'s candidates, as many as the engine can afford now.
-        logits: its first token's, healing's constraint applied; chosen: the token it took."""
+        first_tokens: the most likely first tokens after the one it took (healing's constraint applied)."""
         running = self.scheduler.running
         room = min(self.max_batch, self.scheduler.config.max_running) - len(running)
         if seq.params.n <= 1 or room <= 0 or any(not s.request.warm for s in self.scheduler.waiting):
             return
         group = seq.candidates = CandidateGroup()
-        for rank, token in enumerate(self._first_tokens(logits, chosen, min(seq.params.n - 1, room)), 1):
+        for rank, token in enumerate(first_tokens[:room], 1):
             request = msgspec.structs.replace(seq.request, id=f"{seq.id}{CANDIDATE_ID_SEPARATOR}{rank}",
                                               params=msgspec.structs.replace(seq.params, n=1))
-            if request.id in self.by_id:
+            if request.id in self.scheduler.requests:
                 continue
             candidate = self.new_sequence(request)
             if not self.kv.admit(candidate, running):
@@ -67,15 +64,7 @@ class Candidates:
             candidate.candidate_of, candidate.candidate_rank, candidate.first_token = seq, rank, token
             candidate.timings.queue_ms = seq.timings.queue_ms
             self.scheduler.add_forked(candidate)
-            self.by_id[request.id] = candidate
             group.running.append(candidate)
-
-    def _first_tokens(self, logits: torch.Tensor, chosen: int, count: int) -> list[int]:
-        """The `count` most likely first tokens after `chosen`'s: allowed (healing) and not an end of text."""
-        ranked = torch.topk(logits.float(), min(logits.shape[-1], count + 1 + len(self.stop_ids)))
-        tokens = [int(t) for v, t in zip(ranked.values.tolist(), ranked.indices.tolist())
-                  if v != float("-inf") and t != chosen and t not in self.stop_ids]
-        return tokens[:count]
 
     def first_ended(self, seq: Sequence, finished: Finished) -> Finished | None:
         """The request `seq` ended: its `Finished` now, or None while its candidates run."""
@@ -83,8 +72,6 @@ class Candidates:
         if group is None:
             return finished
         group.first = finished
-        if group.running:
-            self.ended_first[seq.id] = group
         return group.result()
 
     def candidate_ended(self, seq: Sequence, reason: FinishReason, text: str) -> Finished | None:
@@ -92,12 +79,9 @@ class Candidates:
         parent = seq.candidate_of
         group = parent.candidates
         group.candidate_ended(seq, reason, text)
-        done = group.result()
-        if done is not None:
-            self.ended_first.pop(parent.id, None)
-        return done
+        return group.result()
 
     def of_ended(self, request_id: str) -> list[Sequence]:
         """The running candidates of a request that has ended itself (to cancel them with it)."""
-        group = self.ended_first.get(request_id)
-        return list(group.running) if group is not None else []
+        return [s for s in self.scheduler.running if s.candidate_of is not None and s.candidate_of.id == request_id
+                and s.candidate_of.status is Status.FINISHED]

@@ -18,6 +18,7 @@ import msgspec
 from completer.engine import calibration
 from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
+from completer.engine.kv_connector import KVConnector
 from completer.engine.request import EngineError, Finished, Request
 from completer.engine.streams import EngineLive, RequestStream, Superseding, as_delivered
 from completer.loading import LoadedModel
@@ -72,17 +73,17 @@ class Engine:
 
     @classmethod
     def build(cls, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig = EngineConfig(),
-              spec: SpecConfig = SpecConfig(), remote=None) -> "Engine":
-        """remote: a `disagg.remote.RemotePrefill` (prefill workers), if any."""
+              spec: SpecConfig = SpecConfig(), connector: KVConnector | None = None) -> "Engine":
+        """connector: where K/V may be computed elsewhere (`kv_connector`), if anywhere."""
         stop_ids = target.prompt_builder(1).stop_ids
         engine = cls(EngineCore.build(target.model, draft.model if draft else None, target.tokenizer,
-                                      stop_ids, config, spec, remote=remote))
-        if remote is not None:
-            remote.wake = engine._wake
+                                      stop_ids, config, spec, connector=connector))
+        if connector is not None:
+            connector.wake = engine._wake
         return engine
 
     def _wake(self) -> None:
-        """From a link thread: a worker job closed. An op in the inbox, not a
+        """From the connector's thread: a job closed. An op in the inbox, not a
         bare notify: with no request left (all ended at their deadlines, their
         blocks handed to the jobs) the loop waits for the inbox alone, and the
         blocks would stay held until some unrelated request arrived."""
@@ -126,8 +127,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        if self.core.disagg is not None:
-            self.core.disagg.remote.close()
+        if self.core.connector is not None:
+            self.core.connector.close()
 
     @property
     def alive(self) -> bool:
@@ -136,8 +137,8 @@ class Engine:
     def live(self) -> EngineLive:
         """The snapshot the engine thread published last; the workers up are
         the links' own count, current even while the engine sleeps."""
-        remote = self.core.disagg.remote if self.core.disagg is not None else None
-        return msgspec.structs.replace(self._live, prefill_workers_up=remote.workers_up if remote else 0)
+        connector = self.core.connector
+        return msgspec.structs.replace(self._live, prefill_workers_up=connector.workers_up if connector else 0)
 
     def _publish(self) -> None:
         """On the engine thread, at the end of a turn (nothing changes the
@@ -259,7 +260,7 @@ class Engine:
             self._let_loop_send()
         with self._cond:
             ops = self._inbox
-            now = [arg for op, arg in ops if op == "cancel" and arg in self.core.by_id]
+            now = [arg for op, arg in ops if op == "cancel" and arg in self.core.scheduler.requests]
             self._inbox = [(op, arg) for op, arg in ops if not (op == "cancel" and arg in now)]
             self._cancels = sum(op == "cancel" for op, _ in self._inbox)
         return now

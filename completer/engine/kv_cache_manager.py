@@ -10,7 +10,20 @@ from typing import Iterable
 
 from completer.engine.block_manager import BlockManager
 from completer.engine.moved_kv import Donors, MovedRun
-from completer.engine.sequence import Sequence
+from completer.engine.sequence import CacheState, Sequence
+
+
+def advance(states: Iterable[CacheState], lens: Iterable[int]) -> None:
+    """A pass wrote the K/V of `n` more tokens after each state's `computed`.
+    (This module is the one place a `computed` changes: tests/test_architecture_doc.py.)"""
+    for state, n in zip(states, lens):
+        state.computed += n
+
+
+def restart(state: CacheState, computed: int) -> None:
+    """`computed` set back (or on) over blocks the state already holds: a
+    timed dummy sequence run again, a prefix matched by a worker."""
+    state.computed = computed
 
 
 class KVCacheManager:
@@ -75,6 +88,27 @@ class KVCacheManager:
         seq.kv["target"].computed += run.length
         self.pools["target"].release(run.blocks)
         self.publish(seq, "target")
+
+    def grow(self, seq: Sequence, role: str, tokens: int) -> None:
+        """Blocks for `tokens` tokens of the sequence in a pool (within its reservation)."""
+        self.pools[role].grow(seq.kv[role].table, tokens)
+
+    def prefilled(self, seq: Sequence, role: str, n: int) -> None:
+        """A pass computed `n` more tokens of the sequence in a pool: they count, and full blocks of
+        accepted tokens are offered to the prefix cache."""
+        advance([seq.kv[role]], [n])
+        self.publish(seq, role)
+
+    def remote_done(self, seq: Sequence) -> None:
+        """A worker wrote the target K/V of the whole prompt into the sequence's blocks."""
+        seq.kv["target"].computed = seq.prompt_len
+        self.publish(seq, "target")
+
+    def detach(self, seq: Sequence, role: str) -> list[int]:
+        """The sequence lets go of its blocks in a pool without releasing them: the caller now holds them."""
+        state = seq.kv[role]
+        table, state.table, state.computed, state.chain = state.table, [], 0, []
+        return table
 
     def allocate(self, role: str, seqs: list[Sequence], rows: list[list[int]]) -> None:
         """Blocks for each row's new tokens (within the reservation)."""

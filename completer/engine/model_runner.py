@@ -3,8 +3,9 @@
 `execute` takes B rows of new tokens, each continuing its sequence from what
 the pool holds (the KV cache manager has already given the rows their
 blocks), builds the pass's `AttentionMetadata` once, runs the model through
-the chosen attention backend and advances each sequence's `computed`. Plain
-decode steps go through CUDA graphs where enabled.
+the chosen attention backend and returns the logits. It does not advance a
+sequence's `computed`: whoever applies the pass's output does
+(`kv_cache_manager.advance`). Plain decode steps go through CUDA graphs where enabled.
 """
 
 from __future__ import annotations
@@ -72,33 +73,34 @@ class ModelRunner:
 
     def execute(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
                 layer_written: Callable[[int], None] | None = None, last: int = 0,
-                interrupted: Callable[[], bool] | None = None) -> torch.Tensor:
-        """Run each row's tokens at positions state.computed onward. Returns
-        logits [B, T, V] (rows padded to the longest), [B, V] for each row's
-        last token with `last_only`, or [B, last, V] for each row's `last` last
-        tokens. Advances `computed`. `layer_written(l)` is called once layer
+                interrupted: Callable[[], bool] | None = None, starts: list[int] | None = None) -> torch.Tensor:
+        """Run each row's tokens at positions `starts` (default: state.computed)
+        onward. Returns logits [B, T, V] (rows padded to the longest), [B, V]
+        for each row's last token with `last_only`, or [B, last, V] for each
+        row's `last` last tokens. `layer_written(l)` is called once layer
         l's new K/V are in the pool (a prefill worker ships them while the
         next layers run). `interrupted()`, asked before each layer, may give
-        the pass up (`attention.PassInterrupted`; `computed` unchanged)."""
-        return self.start(states, rows, last_only, layer_written, last, interrupted).run()
+        the pass up (`attention.PassInterrupted`)."""
+        return self.start(states, rows, last_only, layer_written, last, interrupted, starts).run()
 
     @torch.inference_mode()
     def start(self, states: list[CacheState], rows: list[list[int]], last_only: bool = False,
               layer_written: Callable[[int], None] | None = None, last: int = 0,
-              interrupted: Callable[[], bool] | None = None) -> "Pass":
+              interrupted: Callable[[], bool] | None = None, starts: list[int] | None = None) -> "Pass":
         """`execute`'s pass, not yet run: `Pass.run` runs it, and may stop it
         between layers to go on later (bulk work making way for a keystroke)."""
         lens = [len(r) for r in rows]
         width = max(lens)
         plain = (self.graphs is not None and width == 1 and self.graphs.fits(len(rows)) and layer_written is None
                  and last <= 1)
-        meta = AttentionMetadata.build([s.table for s in states], [s.computed for s in states], lens,
+        starts = [s.computed for s in states] if starts is None else starts
+        meta = AttentionMetadata.build([s.table for s in states], starts, lens,
                                        self.block_size, "cpu" if plain else self.device)
         if plain:
             def graph() -> Iterator[torch.Tensor]:
                 logits = self.graphs.run([r[0] for r in rows], meta)
                 yield logits if last_only else logits[:, None]
-            return Pass(states, lens, graph(), lambda logits: logits, contextlib.nullcontext)
+            return Pass(graph(), lambda logits: logits, contextlib.nullcontext)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         for b, row in enumerate(rows):
             tokens[b, : len(row)] = torch.tensor(row)
@@ -110,7 +112,7 @@ class ModelRunner:
             backend = (TritonAttention if triton else TorchAttention)(self.pool, meta, layer_written, interrupted)
             layers = self.model.hidden_state_layers(tokens.to(self.device), meta.positions, backend)
             head, context = None, lambda: torch_threads(self.torch_threads)
-        return Pass(states, lens, layers,
+        return Pass(layers,
                     lambda hidden: self.model.logits(self._last(hidden, lens, last_only, last), head), context)
 
     def _last(self, hidden: torch.Tensor, lens: list[int], last_only: bool, last: int) -> torch.Tensor:
@@ -129,9 +131,8 @@ class Pass:
     before a layer (its K/V so far written past each row's `computed`, into
     blocks only its sequences hold) and a later `run` goes on from there."""
 
-    def __init__(self, states: list[CacheState], lens: list[int], layers: Iterator[torch.Tensor | None],
+    def __init__(self, layers: Iterator[torch.Tensor | None],
                  finish: Callable[[torch.Tensor], torch.Tensor], context: Callable[[], contextlib.AbstractContextManager]):
-        self.states, self.lens = states, lens
         self.layers = layers  # None before each layer, then the final hidden states (or logits)
         self.finish = finish
         self.context = context  # entered around each run: the threads the pass computes with
@@ -139,8 +140,7 @@ class Pass:
 
     @torch.inference_mode()
     def run(self, pause: Callable[[], bool] | None = None) -> torch.Tensor | None:
-        """The pass's logits, `computed` advanced; or None if `pause()`, asked
-        before each layer, said to stop."""
+        """The pass's logits; or None if `pause()`, asked before each layer, said to stop."""
         self.layers_run = 0
         with self.context():
             for hidden in self.layers:
@@ -149,7 +149,4 @@ class Pass:
                 if pause is not None and pause():
                     return None
                 self.layers_run += 1
-            logits = self.finish(hidden)
-        for state, n in zip(self.states, self.lens):
-            state.computed += n
-        return logits
+            return self.finish(hidden)

@@ -5,7 +5,7 @@ the storage.
 Layout: `k[layer]` is [num_blocks * block_size, kv_heads, head_dim], so the
 K/V of token t of a sequence sit at slot `table[t // bs] * bs + t % bs`. A
 block is a contiguous [block_size, kv_heads, head_dim] slab, simple to fill
-from another process (disaggregated prefill).
+from another process (a KV connector's prefill worker).
 """
 
 from __future__ import annotations

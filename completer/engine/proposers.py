@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.kv_cache_manager import KVCacheManager, advance
 from completer.engine.model_runner import ModelRunner
 from completer.engine.sampler import Sampler
 from completer.engine.sequence import Sequence
@@ -120,6 +120,7 @@ class DraftModelProposer:
             batch = [rows[s.id][:CATCH_UP_CHUNK] for s in long]
             self.kv.allocate("draft", long, batch)
             self.runner.execute([s.kv["draft"] for s in long], batch, last_only=True, interrupted=self.interrupted)
+            advance([s.kv["draft"] for s in long], map(len, batch))
             took = time.perf_counter() - started
             for seq in long:
                 rows[seq.id] = rows[seq.id][CATCH_UP_CHUNK:]
@@ -141,6 +142,7 @@ class DraftModelProposer:
             self.kv.allocate("draft", active, batch)
             logits = self.runner.execute([s.kv["draft"] for s in active], batch, last_only=True,
                                          interrupted=self.interrupted)
+            advance([s.kv["draft"] for s in active], map(len, batch))
             for b, seq in enumerate(active):
                 token, q = self.sampler.sample(seq, logits[b], heal=False)
                 if q is not None:

@@ -95,9 +95,9 @@ class Timings(msgspec.Struct):
     draft_accepted: int = 0
     draft_rounds: int = 0  # extension: verification passes that checked a proposal
     prefill: Literal["local", "remote"] = "local"
-    # Extensions (disaggregation): why the prompt was prefilled where it was
-    # (`disagg.decision` reasons, or "worker_lost": recomputed here after its
-    # worker failed), and the K/V shipped from a worker.
+    # Extensions (a KV connector's prefill workers): why the prompt was
+    # prefilled where it was (the connector's decision, or "worker_lost":
+    # recomputed here after its worker failed), and the K/V shipped from a worker.
     prefill_reason: str = ""
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0

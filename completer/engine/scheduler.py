@@ -31,20 +31,39 @@ tokens a step over every prompt.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 from completer.engine.config import EngineConfig
 from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.moved_kv import MovedRun
 from completer.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from completer.engine.kv_connector import KVConnector
 
 
 BULK_CONTEXT = 2048  # context up to which a bulk pass takes `bulk_chunk` tokens (fewer past it)
 BULK_MIN_CHUNK = 32
 
 
-class StepPlan(NamedTuple):
+class PrefillChunk(NamedTuple):
+    """Prompt tokens [start, start + n) of a sequence, computed in one pool this step."""
+    seq: Sequence
+    role: str
+    start: int
+    n: int
+    heal: bool = False  # the backed-off token rides along, verified as a draft (its first token too)
+
+
+class SchedulerOutput(NamedTuple):
+    """The whole step: who ends, what is prefilled where (blocks already
+    allocated), which moved K/V is copied in first, and who decodes."""
     expired: list[Sequence]  # past their deadline: finish them
-    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens it may prefill this step)
+    prefill: list[PrefillChunk]
+    copies: list[tuple[Sequence, MovedRun, list[int]]] = []  # (sequence, its moved run, destination slots)
+    # Decoding now, or from the first token this step's prefill gives them (the
+    # executor leaves out those a cancel or an end took meanwhile).
+    decode: list[Sequence] = []
     # With a starved bulk chunk (prefill holds it alone): its pass stops at this
     # perf_counter() time (else at the arrival of work that goes first).
     slice_until: float | None = None
@@ -82,25 +101,20 @@ def by_turns(seqs: list[Sequence], held: Counter | None = None, key=None) -> lis
     return [seq for *_, seq in sorted(ranked, key=lambda r: r[:3])]
 
 
-class PrefillConnector(Protocol):
-    """Where an admitted prompt may be prefilled instead of here (disaggregation:
-    `remote_prefill.RemotePrefillSteps`)."""
-
-    def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """On admission, before its prefill is planned: True if a worker now
-        prefills its target K/V (the sequence waits in Status.REMOTE)."""
-
-
 class Scheduler:
-    """The queues, and the one place a sequence's status changes:
-    WAITING -> PREFILL (admitted; or REMOTE, a worker prefills it, then PREFILL)
-    -> DECODE (its first token) -> FINISHED. A request's candidates (`n`)
-    join running in PREFILL through `add_forked`."""
+    """The queues, the registry of live requests (`requests`: waiting,
+    running and their candidates, by id), and the one place a sequence's
+    status changes: WAITING -> PREFILL (admitted; or REMOTE, a connector's
+    worker prefills it, then PREFILL) -> DECODE (its first token) -> FINISHED.
+    A request's candidates (`n`) join running in PREFILL through `add_forked`."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: PrefillConnector | None = None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnector | None = None,
+                 defer_draft_prefill: bool = False):
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.defer_draft_prefill = defer_draft_prefill  # the drafter takes a prompt in when it first drafts
+        self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.bulk_waits_since: float | None = None  # bulk work ready and made no progress since
@@ -133,11 +147,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.requests[seq.id] = seq
 
     def add_forked(self, seq: Sequence) -> None:
         """A candidate forked from a running request (its blocks already admitted)."""
         seq.status = Status.PREFILL
         self.running.append(seq)
+        self.requests[seq.id] = seq
 
     def start_decoding(self, seq: Sequence) -> None:
         seq.status = Status.DECODE
@@ -149,6 +165,8 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
+        if self.requests.get(seq.id) is seq:
+            del self.requests[seq.id]
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -161,7 +179,7 @@ class Scheduler:
             self.remove(seq)
         return expired
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float) -> SchedulerOutput:
         expired = self.expire(now)
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
@@ -173,10 +191,10 @@ class Scheduler:
             prefill.append((seq, budget))  # the drafter keeps pace within the same budget
             budget -= min(budget, seq.prefill_left)
         if prefill:
-            return StepPlan(expired, prefill)
+            return self._plan(expired, prefill)
         return self._bulk_plan(now, expired)
 
-    def _bulk_plan(self, now: float, expired: list[Sequence]) -> StepPlan:
+    def _bulk_plan(self, now: float, expired: list[Sequence]) -> SchedulerOutput:
         """A bulk prompt's next chunk when interactive work lets it run: the
         one with the least left (a cold file the user types in before another
         editor's long open); when it starved, a slice for the oldest."""
@@ -187,14 +205,46 @@ class Scheduler:
         elif self.bulk_waits_since is None:
             self.bulk_waits_since = now
         if not ready:
-            return StepPlan(expired, [])
+            return self._plan(expired, [])
         if not any(not s.bulk for s in self.decoding()):
             shortest = min(ready, key=lambda s: (s.request.warm, s.prefill_left))
-            return StepPlan(expired, [(shortest, self.bulk_chunk(shortest))])
+            return self._plan(expired, [(shortest, self.bulk_chunk(shortest))])
         if not bulk or (now - self.bulk_waits_since) * 1000 < self.config.bulk_starve_ms:
-            return StepPlan(expired, [])
-        return StepPlan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))],
-                        slice_until=now + self.config.bulk_slice_ms / 1000)
+            return self._plan(expired, [])
+        return self._plan(expired, [(bulk[0], self.bulk_chunk(bulk[0]))],
+                          slice_until=now + self.config.bulk_slice_ms / 1000)
+
+    def _plan(self, expired: list[Sequence], budgets: list[tuple[Sequence, int]],
+              slice_until: float | None = None) -> SchedulerOutput:
+        """Each sequence's budget as chunks per pool (a moved run copied in
+        first, the target's prefill going on after it), their blocks
+        allocated; and who decodes: those decoding now and those whose
+        prompt the target completes this step (priming requests end instead)."""
+        chunks, copies = [], []
+        for seq, budget in budgets:
+            moved, target = seq.moved, seq.kv["target"]
+            if moved is not None and target.computed == moved.at:
+                copies.append((seq, moved, self.kv.moved_slots(seq)))
+            for role in seq.local_roles():
+                if role == "draft" and self.defer_draft_prefill and not seq.params.priming:
+                    continue
+                start = seq.kv[role].computed + (moved.length if role == "target" and copies
+                                                 and copies[-1][0] is seq else 0)
+                end = moved.at if role == "target" and moved is not None and start < moved.at else seq.prompt_len
+                if (n := min(budget, end - start)) > 0:
+                    chunks.append(PrefillChunk(seq, role, start, n, self._heals(seq, role, start + n)))
+        for c in chunks:
+            self.kv.grow(c.seq, c.role, c.start + c.n + c.heal)
+        decode = self.decoding() + [c.seq for c in chunks if c.role == "target" and c.start + c.n == c.seq.prompt_len
+                                    and not c.seq.params.priming]
+        return SchedulerOutput(expired, chunks, copies, decode, slice_until)
+
+    def _heals(self, seq: Sequence, role: str, end: int) -> bool:
+        """Whether a chunk ending at `end` ends the prompt and the backed-off
+        token rides along as a draft (the first token is then verified in the same pass)."""
+        return (role == "target" and self.config.heal_in_prefill and seq.request.heal_token >= 0
+                and bool(seq.output.heal) and seq.first_token is None and seq.params.max_tokens >= 2
+                and end == seq.prompt_len)
 
     def bulk_chunk(self, seq: Sequence) -> int:
         """`bulk_chunk` tokens while the context is short, fewer past

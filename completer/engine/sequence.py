@@ -51,10 +51,6 @@ class Sequence:
         self.timings = Timings(prompt_tokens=self.prompt_len)
         self.spec = spec  # acceptance per proposal source
         self.remote_job: int | None = None  # the worker job writing its target K/V
-        self.first_logits: torch.Tensor | None = None  # once the target has the whole prompt
-        # With the heal token verified in the prefill pass: the logits after it
-        # (the second token, if the first is that token).
-        self.after_heal_logits: torch.Tensor | None = None
         self.moved = None  # moved_kv.MovedRun: K/V of this prompt's text computed elsewhere, to copy in
         self.bulk = False  # its prefill is bulk work, behind every keystroke's (set on admission: scheduler)
         self.target_passes = 0  # target passes this request was in (Timings.first_token_passes)

@@ -25,7 +25,7 @@ class EngineLive(msgspec.Struct, frozen=True):
     waiting: int = 0
     kv_cache_usage: float = 0.0
     kv_blocks_used: dict[str, int] = {}  # pool ("target", "draft") -> blocks referenced
-    prefill_workers_up: int = 0  # disaggregation: workers connected now
+    prefill_workers_up: int = 0  # a KV connector's prefill workers connected now
 
 
 class RequestStream:

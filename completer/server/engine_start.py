@@ -60,8 +60,9 @@ class EngineStart:
         return list(local) + list(d.remote_workers)
 
     def connect_workers(self, addresses: list[str]):
-        """The decode side of disaggregation, its links up (or retrying)."""
+        """The decode side of disaggregation as the engine's KV connector, its links up (or retrying)."""
         from completer.disagg.decision import shares_cores
+        from completer.disagg.connector import RemotePrefillConnector
         from completer.disagg.remote import RemotePrefill
         from completer.disagg.worker import model_shape
 
@@ -76,7 +77,7 @@ class EngineStart:
         remote = RemotePrefill(addresses, shape, self.token, d, kv_bytes, resolvers, self.target.device,
                                shared, e.interactive_first and not d.use_shared_cores)
         remote.start(wait_s=self.config.disagg.timeout_s)
-        return remote
+        return RemotePrefillConnector(remote)
 
     def stop_workers(self) -> None:
         for worker in self.local_workers:
@@ -113,10 +114,10 @@ class EngineStart:
             first_line = (str(e).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{self.config.model.target}: cannot load the model "
                                   f"({type(e).__name__}: {first_line})") from e
-        remote = None
+        connector = None
         if workers is not None:
             try:
-                remote = await asyncio.to_thread(self.connect_workers, await workers)
+                connector = await asyncio.to_thread(self.connect_workers, await workers)
             except RuntimeError as e:  # a local worker that could not start
                 raise CheckpointError(str(e)) from None
         loop = asyncio.get_running_loop()
@@ -132,7 +133,7 @@ class EngineStart:
         self.progress.enter("starting the engine", "calibrating speculation")
 
         def build() -> Engine:  # the pools' allocation and the calibration passes take seconds
-            engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, remote=remote)
+            engine = Engine.build(self.target, self.draft, self.config.engine, self.config.spec, connector=connector)
             engine.start(loop)
             return engine
 

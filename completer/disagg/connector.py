@@ -1,36 +1,47 @@
-"""The engine core's side of disaggregated prefill: on admission, route a
-prompt to a worker (reserving its destination blocks first); each step, take
-in the jobs that closed (K/V complete: the sequence joins the decode batch;
-lost: prefill here if the deadline allows, else the request ends with
-reason `deadline`); when a request ends while a
-worker may still write its blocks, hand the blocks to the job until it
-closes (`disagg.remote` says who owns what)."""
+"""Disaggregated prefill as the engine's KV connector
+(`completer.engine.kv_connector.KVConnector`): on admission, route a prompt
+to a worker (reserving its destination blocks first); each step, take in the
+jobs that closed (K/V complete: the sequence joins the decode batch; lost:
+prefill here if the deadline allows, else the request ends with reason
+`deadline`); when a request ends while a worker may still write its blocks,
+hand the blocks to the job until it closes (`disagg.remote` says who owns
+what)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from completer.disagg.remote import Closed, RemotePrefill
 from completer.engine.kv_cache_manager import KVCacheManager
+from completer.engine.kv_connector import ClosedJobs
+from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import Sequence, Status
-
-if TYPE_CHECKING:
-    from completer.disagg.remote import Closed, RemotePrefill
 
 log = logging.getLogger(__name__)
 
 
-class RemotePrefillSteps:
-    """The scheduler's PrefillConnector for prefill workers."""
-
-    def __init__(self, remote: RemotePrefill, kv: KVCacheManager, prefill_chunk: int):
-        self.remote, self.kv = remote, kv
-        self.prefill_chunk = prefill_chunk
-        self.remote_seqs: dict[int, Sequence] = {}  # open job -> the sequence it prefills
+class RemotePrefillConnector:
+    def __init__(self, remote: RemotePrefill):
+        self.remote = remote
+        self.kv: KVCacheManager | None = None
+        self.prefill_chunk = 0
         self.held_by_jobs: dict[int, list[int]] = {}  # job -> target blocks of a request that ended first
         self.decode_pass_s = 0.0  # the last decode pass: what each local chunk also waits for
+
+    @property
+    def wake(self) -> Callable[[], None]:
+        return self.remote.wake
+
+    @wake.setter
+    def wake(self, wake: Callable[[], None]) -> None:
+        self.remote.wake = wake
+
+    def bind(self, kv: KVCacheManager, pool: KVPool, prefill_chunk: int) -> None:
+        self.kv, self.prefill_chunk = kv, prefill_chunk
+        self.remote.register(pool)
 
     def admit(self, seq: Sequence, running: list[Sequence]) -> bool:
         """On admission: this prompt's uncached part to a worker (True), or not (`disagg.decision`)."""
@@ -47,43 +58,40 @@ class RemotePrefillSteps:
             seq.timings.prefill_reason = "no_worker"
             return False
         seq.remote_job = job
-        self.remote_seqs[job] = seq
         return True
 
     def hand_over(self, seq: Sequence) -> None:
         """`seq` ends while its job may still write its target blocks: they
         stay the job's (released when it closes), and the job is aborted."""
         job, seq.remote_job = seq.remote_job, None
-        del self.remote_seqs[job]
-        state = seq.kv["target"]
-        self.held_by_jobs[job] = state.table
-        state.table, state.computed, state.chain = [], 0, []
+        self.held_by_jobs[job] = self.kv.detach(seq, "target")
         self.remote.abort(job)
 
-    def poll(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """The jobs that closed since the last step: (sequences whose target
-        now holds the whole prompt, sequences to prefill here instead,
-        sequences out of time: a prefill here would end past their deadline)."""
-        ready, here, late = [], [], []
+    @property
+    def releasing(self) -> bool:
+        return bool(self.held_by_jobs)
+
+    def poll(self, running: list[Sequence]) -> ClosedJobs:
+        """The jobs that closed since the last step."""
+        out = ClosedJobs([], [], [])
+        by_job = {s.remote_job: s for s in running if s.remote_job is not None}
         for closed in self.remote.poll():
             if (table := self.held_by_jobs.pop(closed.job, None)) is not None:
                 self.kv.pools["target"].release(table)
                 continue
-            seq = self.remote_seqs.pop(closed.job)
+            seq = by_job[closed.job]
             seq.remote_job = None
             seq.timings.kv_transfer_bytes += closed.bytes
             seq.timings.kv_transfer_ms += closed.transfer_s * 1000
             if closed.outcome == "done":
-                seq.kv["target"].computed = seq.prompt_len
-                self.kv.publish(seq, "target")
+                self.kv.remote_done(seq)
                 seq.timings.prefill = "remote"
-                seq.first_logits = closed.logits
-                ready.append(seq)
+                out.ready.append((seq, closed.logits))
             elif self._recompute_here(seq, closed):
-                here.append(seq)
+                out.here.append(seq)
             else:
-                late.append(seq)
-        return ready, here, late
+                out.late.append(seq)
+        return out
 
     def _recompute_here(self, seq: Sequence, closed: Closed) -> bool:
         """A job lost (its worker died, stalled or failed): prefill here if the
@@ -102,3 +110,19 @@ class RemotePrefillSteps:
         log.warning("request %s: %s (%s); prefilling it here instead", seq.id, closed.why,
                     "mid-transfer" if closed.mid_transfer else "before any K/V arrived")
         return True
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.remote.observe_local(tokens, seconds)
+
+    def observe_decode_pass(self, seconds: float) -> None:
+        self.decode_pass_s = seconds
+
+    def set_prefill_rate(self, tokens_s: float) -> None:
+        self.remote.local_tokens_s = tokens_s
+
+    @property
+    def workers_up(self) -> int:
+        return self.remote.workers_up
+
+    def close(self) -> None:
+        self.remote.close()
