@@ -7,9 +7,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from support.tiny import code_tokenizer  # noqa: E402
+from support.tiny import code_tokenizer
 
 
 def pytest_sessionstart(session):

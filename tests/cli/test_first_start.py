@@ -19,6 +19,8 @@ import sys
 import urllib.error
 import urllib.request
 
+import pytest
+
 from support.readme_blocks import ROOT, shell_blocks
 from latency_bench.harness import stop_server
 from support.serve import start
@@ -46,6 +48,7 @@ def healthz(port: int) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.timeout(1200)  # a start on an empty cache (up to 600 s) and the client example (300 s)
 def test_a_first_start_then_the_readme_client_example_gives_a_whole_suggestion(tmp_path):
     env = {"COMPLETER_CACHE": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
     proc, lines = start(env=env, until="starting on port", timeout=600)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# `npm ci` (up to 600 s) before the first test; the node tests against the real server take up to 600 s.
+pytestmark = pytest.mark.timeout(1500)
+
 ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = ROOT / "editor_clients" / "vscode"
 

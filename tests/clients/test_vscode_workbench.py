@@ -45,6 +45,10 @@ from support import code_server
 from support.devtools import CHROMIUM, CTRL, DevTools, chromium, wait_for
 from latency_bench.harness import ROOT, RULES_OFF, TOKEN, running_server
 
+# The first test also builds and packages the extension (up to 900 s) and starts code-server;
+# each drives a real workbench.
+pytestmark = pytest.mark.timeout(1800)
+
 EXTENSION = ROOT / "editor_clients" / "vscode"
 ARTIFACTS = ROOT / "test-artifacts"
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

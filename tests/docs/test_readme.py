@@ -66,6 +66,7 @@ def test_the_parser_check_can_fail():
     assert parse_with_our_parsers(["completer", "models", "pull"]) is None
 
 
+@pytest.mark.timeout(1200)  # the block itself may take up to 900 s
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark == "run"], ids=repr)
 def test_a_run_block_runs_as_written(block, default_model):
     """In bash with -e and pipefail, from the repository root, the venv

@@ -5,20 +5,20 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import copy  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
+import copy
+import json
+import logging
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from torch import nn  # noqa: E402
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
 
-from completer import fp8  # noqa: E402
-from completer.checkpoint import CheckpointError, config_json, load_model  # noqa: E402
-from completer.fp8 import LINEAR_NAMES, Fp8Linear, quantize_linears, quantize_rows  # noqa: E402
-from completer.model import Transformer  # noqa: E402
-from support.tiny import tiny_config  # noqa: E402
+from completer import fp8
+from completer.checkpoint import CheckpointError, config_json, load_model
+from completer.fp8 import LINEAR_NAMES, Fp8Linear, quantize_linears, quantize_rows
+from completer.model import Transformer
+from support.tiny import tiny_config
 
 QWEN = tiny_config(architecture="Qwen2ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=160,
                    head_dim=16, max_position_embeddings=128, qkv_bias=True)

@@ -9,18 +9,18 @@ import textwrap
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention  # noqa: E402
-from completer.engine.paged_kv import KVPool  # noqa: E402
-from support.tiny import tiny_config  # noqa: E402
-from completer_kernels.fp8_gemm import (expand_block_scales, fp8_gemm_blockwise,  # noqa: E402
+from completer.engine.attention import AttentionMetadata, TorchAttention, TritonAttention
+from completer.engine.paged_kv import KVPool
+from support.tiny import tiny_config
+from completer_kernels.fp8_gemm import (expand_block_scales, fp8_gemm_blockwise,
                                         fp8_gemm_blockwise_torch, fp8_gemm_rowwise, fp8_gemm_rowwise_torch)
-from completer_kernels.fp8_quant import (FP8, quantize_fp8_blockwise_weight,  # noqa: E402
+from completer_kernels.fp8_quant import (FP8, quantize_fp8_blockwise_weight,
                                          quantize_fp8_groupwise, quantize_fp8_groupwise_torch,
                                          quantize_fp8_rowwise, quantize_fp8_rowwise_torch)
-from completer_kernels.paged_attention import (paged_decode_attention,  # noqa: E402
+from completer_kernels.paged_attention import (paged_decode_attention,
                                                paged_decode_attention_torch)
 
 FP8_NAN = 0x7F  # e4m3fn's NaN byte

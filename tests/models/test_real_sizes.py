@@ -41,6 +41,7 @@ def test_a_random_file_at_a_shape_loads_as_that_model_through_the_fused_layer(tm
 
 @pytest.mark.skipif(not llama_peer.quantize_binary(must_exist=False).is_file(),
                     reason="llama-quantize not built (python -m latency_bench llama-peer build)")
+@pytest.mark.timeout(1200)  # the benchmark's run: up to 900 s
 def test_the_benchmark_runs_end_to_end_at_the_tiny_shape(tmp_path, default_model):
     servers = ["completer"] + (["llama.cpp"] if llama_peer.server_binary(must_exist=False).is_file() else [])
     out = tmp_path / "r.json"

@@ -13,6 +13,9 @@ import pytest
 from latency_bench import http_editors, soak
 from latency_bench.client_wait import ClientWait
 
+# A tier of its own (~2 minutes): `python -m pytest -m soak` runs it; a bare `python -m pytest` leaves it out.
+pytestmark = pytest.mark.soak
+
 OWED = ("unanswered", "duplicate", "after_terminal", "unknown_id", "lost_on_server_close")
 
 
