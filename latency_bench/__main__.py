@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command: (module, what it does in a line). latency_bench/README.md says more (tests/test_layout.py keeps the two
+# command: (module, what it does in a line). latency_bench/README.md says more (tests/docs/test_layout.py keeps the two
 # in step). Run from the repository root, or anywhere once completer is installed (`pip install -e .`).
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine_bench", "the engine against HF transformers' generate, same weights and prompts"),

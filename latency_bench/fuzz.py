@@ -13,7 +13,7 @@ Two things close a connection by design and are left out: invalid UTF-8 goes
 in binary frames (in a text frame it closes with 1007), and no frame is larger
 than `server.max_frame_bytes` (1009).
 
-The frames come from fuzz_frames.py's generators, which tests/test_fuzz.py
+The frames come from fuzz_frames.py's generators, which tests/server/test_fuzz.py
 draws from too (property tests of `protocol.decode`, and a short run of this
 one), with the answer checks here.
 """

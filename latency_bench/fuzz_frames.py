@@ -1,7 +1,7 @@
 """The frames a broken or hostile client can send, as hypothesis strategies,
 each with what its generator knows of the answer it must get. Drawn by
 latency_bench/fuzz.py (the long run against the real server) and by
-tests/test_fuzz.py (property tests of `protocol.decode`, a short run).
+tests/server/test_fuzz.py (property tests of `protocol.decode`, a short run).
 
 Past 300 lines: one strategy per frame kind, each beside the answer it must
 get; split, a strategy and its answer would part.

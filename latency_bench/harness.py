@@ -46,7 +46,7 @@ class ServerProcess:
 
 # The confidence rules off (a request that leaves them out gets the model's whole line): for tests of the
 # clients and the server's plumbing on the small embedded model, which is unsure nearly everywhere (the rules
-# themselves: tests/test_confidence.py), and the typist's `before_confidence` row.
+# themselves: tests/server/test_confidence.py), and the typist's `before_confidence` row.
 RULES_OFF = ("request.min_first_prob=0", "request.min_token_prob=0", "request.min_line_prob=0")
 
 

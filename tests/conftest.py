@@ -7,9 +7,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from tiny import code_tokenizer  # noqa: E402
+from support.tiny import code_tokenizer
 
 
 def pytest_sessionstart(session):
@@ -52,17 +52,3 @@ def gemma3_model():
         return pull(GEMMA3_270M, quiet=True)
     except ModelFetchError as e:
         pytest.skip(f"Gemma 3 270M is not in the cache ({cached_path(GEMMA3_270M)}) and cannot be fetched: {e}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(code_tok):
-    """The engine tests' tokenizer (test_engine*.py)."""
-    return code_tok
-
-
-@pytest.fixture(scope="module")
-def models():
-    """The engine tests' small random target and drafters (engine_harness.build_models)."""
-    from engine_harness import build_models
-
-    return build_models()

@@ -14,7 +14,7 @@ from completer.lsp.settings import LspSettings
 
 SECRETS = (
     # The same list, in the same order, as the VS Code extension's (src/privacy.ts's SENSITIVE_GLOBS)
-    # and the Neovim plugin's (lua/completer/config.lua's SECRETS); tests/test_secret_patterns.py holds
+    # and the Neovim plugin's (lua/completer/config.lua's SECRETS); tests/clients/test_secret_patterns.py holds
     # the three to it.
     '.env', '.env.*', '*.env', '.envrc',
     '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg', '*.asc', '*.kdbx',

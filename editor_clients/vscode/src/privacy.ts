@@ -8,7 +8,7 @@
  */
 export const SENSITIVE_GLOBS: readonly string[] = [
   // The same list, in the same order, as the Neovim plugin's (lua/completer/config.lua's
-  // SECRETS); tests/test_secret_patterns.py holds the two to it.
+  // SECRETS); tests/clients/test_secret_patterns.py holds the two to it.
   '.env', '.env.*', '*.env', '.envrc',
   '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg', '*.asc', '*.kdbx',
   'id_rsa*', 'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk',

@@ -52,7 +52,7 @@ export class Server {
     const proc = spawn(pythonExecutable(), ['-u', '-m', 'completer.cli', 'serve', '--model', model, '--port', String(port), '--token', token,
       '--set', 'engine.threads=1',
       // The embedded model is unsure nearly everywhere: these tests are of the extension, not of the server's
-      // confidence rules (tests/test_confidence.py), so they are off.
+      // confidence rules (tests/server/test_confidence.py), so they are off.
       '--set', 'request.min_first_prob=0', '--set', 'request.min_token_prob=0', '--set', 'request.min_line_prob=0'], {
       cwd: REPO_ROOT,
       env: { ...process.env, OMP_NUM_THREADS: '1', PYTHONUNBUFFERED: '1' },

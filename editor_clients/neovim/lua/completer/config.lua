@@ -7,7 +7,7 @@ local M = {}
 -- a `/` matches the whole path, one without the file's name (case-insensitive).
 M.SECRETS = {
   -- The same list, in the same order, as the VS Code extension's (src/privacy.ts's
-  -- SENSITIVE_GLOBS); tests/test_secret_patterns.py holds the two to it.
+  -- SENSITIVE_GLOBS); tests/clients/test_secret_patterns.py holds the two to it.
   '.env', '.env.*', '*.env', '.envrc',
   '*.pem', '*.key', '*.p12', '*.pfx', '*.jks', '*.keystore', '*.gpg', '*.asc', '*.kdbx',
   'id_rsa*', 'id_dsa*', 'id_ecdsa*', 'id_ed25519*', '*.ppk',
