@@ -154,3 +154,14 @@ def test_the_server_knows_the_engine_only_by_its_async_face():
     found = {n: sorted(m for m in imported if m.startswith("completer.engine") and m not in face)
              for n, imported in graph.items() if n.startswith("completer.server")}
     assert not {n: m for n, m in found.items() if m}, found
+
+
+def test_the_engine_imports_nothing_of_the_subsystems_that_plug_into_it():
+    """Disaggregation plugs into the engine through engine/kv_connector.py's
+    protocol (as vLLM's KV connector); the engine names no module of
+    disagg/, cluster/, lsp/ or the server, not even for types."""
+    graph = import_graph()
+    plugged = ("completer.disagg", "completer.cluster", "completer.lsp", "completer.server")
+    found = {n: sorted(m for m in imported if m.startswith(plugged))
+             for n, imported in graph.items() if n.startswith("completer.engine")}
+    assert not {n: m for n, m in found.items() if m}, found
