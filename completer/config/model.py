@@ -43,8 +43,8 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def model_problems(m: ModelSection) -> list[ConfigProblem]:
     """Values of `[model]` that cannot work (whether the models exist and fit is checked at start)."""
-    # The template names are the prompt builder's (a leaf module, torch-free); imported here so that
-    # reading a config does not load the tokenizers library until a config is checked.
+    # The template names are the prompt builder's (prompt.py reaches no subsystem and no torch);
+    # imported here so that importing the schemas alone (a type, a default) loads no tokenizers library.
     from completer.prompt import TEMPLATES
 
     found = []
