@@ -115,7 +115,7 @@ def check_models(config: Config) -> None:
 
     from completer.checkpoint import CheckpointError, is_gguf, parse_config, resolve_precision, weight_files
     from completer.config import ConfigError
-    from completer.engine.config import kv_cache_problem
+    from completer.engine.paged_kv import kv_cache_problem
     from completer.gguf_checkpoint import open_gguf
     from completer.memory import PROCESS_BYTES, memory_problem, model_bytes
     from completer.model_store import resolve_draft, resolve_target

@@ -30,8 +30,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from completer.config import Config, ModelSection, RequestSection
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import Config, EngineConfig, ModelSection, RequestSection, SpecConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.engine.request import Finished
 from completer.loading import LoadedModel, load_models

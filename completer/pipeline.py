@@ -15,11 +15,11 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from completer.config import Config
+from completer.config import Config, Mode
 from completer.document import DocumentPrompt
 from completer.engine.engine import Engine
 from completer.engine.streams import RequestStream
-from completer.engine.request import Confidence, Mode, Request, SamplingParams
+from completer.engine.request import Confidence, Request, SamplingParams
 from completer.engine.stopping import next_nonblank_line
 from completer.healing import back_off
 from completer.loading import LoadedModel

@@ -57,7 +57,7 @@ from rich.table import Table
 from torch import nn
 
 from completer.cpu_quant import Int4Linear, Int8Linear
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import Config, EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.request import Request, SamplingParams, Timings
@@ -65,7 +65,6 @@ from completer.evaluate import heldout_files, line_starts
 from completer.loading import load
 from completer.checkpoint import resolve_precision
 from completer.model_store import resolve_draft, resolve_target
-from completer.config import Config
 from completer.pipeline import CompletionPipeline, RequestOptions, display_path
 from completer.protocol import Document
 from latency_bench import llama_peer

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from completer.engine.block_manager import BlockManager
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.engine.kv_cache_manager import advance
 from completer.engine.model_runner import ModelRunner

@@ -24,9 +24,8 @@ import msgspec
 import torch
 
 from completer.checkpoint import is_gguf, resolve_precision
-from completer.config import Config, ModelSection, RequestSection
+from completer.config import Config, EngineConfig, ModelSection, RequestSection, SpecConfig
 from completer.document import DocumentPrompt
-from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.engine import Engine, run_in_passing_thread
 from completer.evaluate import heldout_files, line_starts
 from completer.loading import LoadedModel, load_models

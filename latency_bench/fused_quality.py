@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.evaluate import heldout_files, line_starts, served
 from completer.loading import load_models

@@ -336,8 +336,7 @@ def decode_step() -> dict:
 # -- 4. engine tok/s with the default models ------------------------------------------
 
 async def engine_run(target, draft, spec_on: bool, documents: list, max_tokens: int) -> dict:
-    from completer.config import Config, ModelSection, RequestSection
-    from completer.engine.config import EngineConfig, SpecConfig
+    from completer.config import Config, EngineConfig, ModelSection, RequestSection, SpecConfig
     from completer.pipeline import LocalCompleter, RequestOptions
 
     config = Config(model=ModelSection(context_tokens=(128 if DRY else 768) + 64),

@@ -26,8 +26,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from completer.config import Config, ModelSection, RequestSection
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import Config, EngineConfig, ModelSection, RequestSection, SpecConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.engine.request import Request, SamplingParams
 from completer.evaluate import heldout_files, hits, line_starts

@@ -363,7 +363,7 @@ def as_fused_layer(model) -> None:
 def decode_speed(path: Path, precision: str, tokens: list[list[int]], max_tokens: int) -> dict:
     """Batch-1 decode tok/s through the engine (defaults: fused layer, 8-bit
     activations), median of the prompts after a warm-up."""
-    from completer.engine.config import EngineConfig, SpecConfig
+    from completer.config import EngineConfig, SpecConfig
     from completer.engine.core import EngineCore
     from completer.engine.engine import Engine, run_in_passing_thread
     from completer.loading import load

@@ -274,8 +274,7 @@ def reduce(samples: list, keys: list[tuple[float, float, int]]) -> Measured:
 
 async def completer_worker(job: Job, inputs: Inputs) -> dict:
     """Load as `completer serve` does, start the engine, measure; what the row reports."""
-    from completer.config import Config
-    from completer.engine.config import EngineConfig, SpecConfig
+    from completer.config import Config, EngineConfig, SpecConfig
     from completer.engine.core import EngineCore
     from completer.engine.engine import Engine, run_in_passing_thread
     from completer.loading import load_models

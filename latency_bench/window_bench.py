@@ -23,7 +23,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.engine import run_in_passing_thread
 from completer.evaluate import completions, heldout_files, hits, line_starts
 from completer.loading import load_models

@@ -32,8 +32,8 @@ import time
 
 import msgspec
 
-from completer.cluster.config import ClusterConfig
 from completer.cluster.routing import HEALTH, Hop, prefix_hash
+from completer.config import ClusterConfig
 from completer.engine.streams import RequestStream, Superseding
 from completer.engine.request import Delta, EngineError, Failed, Finished, Request, Timings
 

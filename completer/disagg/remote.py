@@ -26,7 +26,7 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
-from completer.disagg.config import DisaggConfig
+from completer.config import DisaggConfig
 from completer.disagg.decision import Decision, Estimates, PoolState, decide
 from completer.disagg.messages import (PROTOCOL, Abort, Aborted, Done, Failed, Group, Heartbeat, Hello, Job,
                                        ModelShape, Welcome)

@@ -25,7 +25,7 @@ import torch
 from completer.engine.attention import PassInterrupted
 from completer.engine.block_manager import BlockManager
 from completer.engine.candidates import Candidates
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.executor import Executor
 from completer.engine.fused_cpu import fused_layers_for
 from completer.engine.kv_cache_manager import KVCacheManager

@@ -15,8 +15,8 @@ from typing import TypeVar
 
 import msgspec
 
+from completer.config import EngineConfig, SpecConfig
 from completer.engine import calibration
-from completer.engine.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.kv_connector import KVConnector
 from completer.engine.request import EngineError, Finished, Request

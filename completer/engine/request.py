@@ -8,7 +8,7 @@ from typing import Literal
 
 import msgspec
 
-Mode = Literal["line", "block", "free"]
+from completer.config import Mode
 
 # Below this a temperature is greedy: 1/t overflows float32 near 1e-38 (and
 # 5e-324 is 0.0 in float32), and far above it the draw is already an argmax.

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.moved_kv import MovedRun
 from completer.engine.sequence import Sequence, Status

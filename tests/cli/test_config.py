@@ -122,7 +122,8 @@ def test_the_kv_cache_size_suggested_holds_one_full_window_and_a_tenth_less_does
 
     from completer.checkpoint import parse_config
     from completer.engine.block_manager import BlockManager
-    from completer.engine.config import EngineConfig, SpecConfig, kv_cache_problem
+    from completer.config import EngineConfig, SpecConfig
+    from completer.engine.paged_kv import kv_cache_problem
     from completer.engine.kv_cache_manager import KVCacheManager
     from completer.engine.paged_kv import pool_blocks
     from completer.model_store import EMBEDDED_DRAFT, EMBEDDED_TARGET

@@ -3,7 +3,7 @@ pipeline and the engine, with the served template, healing and stop logic."""
 
 import asyncio
 
-from completer.engine.config import SpecConfig
+from completer.config import SpecConfig
 from completer.evaluate import served, draft_acceptance, exact_match, heldout_files, line_starts
 from completer.loading import load
 from completer.model_store import EMBEDDED_TARGET

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from completer.cluster import client as cluster_client
-from completer.cluster.config import ClusterConfig
+from completer.config import ClusterConfig
 from completer.cluster.routing import HEALTH, ReplicaHealth
 from completer.engine.request import Delta, Finished, Request, SamplingParams, Timings
 from latency_bench.harness import CLUSTER, TOKEN, complete_msg, connect, running_server

@@ -200,18 +200,18 @@ def test_the_layout_check_fails_on_a_missing_folder(monkeypatch):
 # -- docs/architecture.md's config sections ------------------------------------------------------------
 
 def test_the_config_sections_architecture_md_lists_are_the_configs():
-    """`config.py`'s entry lists the TOML sections: those of configs/default.toml
+    """`config/__init__.py`'s entry lists the TOML sections: those of configs/default.toml
     and of the config's schema (`completer.config.SECTIONS`), in that order."""
     import tomllib
 
     from completer.config import SECTIONS
 
     text = (ROOT / "docs" / "architecture.md").read_text()
-    entry = re.search(r"^- `config\.py`: (.*?)(?=^- |^#|\Z)", text, re.S | re.M).group(1)
+    entry = re.search(r"^- `config/__init__\.py`: (.*?)(?=^- |^#|\Z)", text, re.S | re.M).group(1)
     listed = re.findall(r"`\[(\w+)\]`", entry)
     default = list(tomllib.loads((ROOT / "configs" / "default.toml").read_text()))
     assert default == list(SECTIONS), "configs/default.toml's sections are not the schema's"
-    assert listed == default, f"docs/architecture.md's config.py lists {listed}; the config has {default}"
+    assert listed == default, f"docs/architecture.md's config/__init__.py lists {listed}; the config has {default}"
 
 
 def test_the_commands_architecture_md_lists_are_the_clis():

@@ -6,7 +6,11 @@ import is still two modules that cannot be understood, or moved, apart).
 The server has none: its front doors (server/session.py, server/compat/)
 reach the pipeline and the engine through server/service.py, and only
 server/app.py, which builds them, knows them all; nothing in the server
-imports app.py (the CLI does)."""
+imports app.py (the CLI does).
+
+The config's schemas sit below every subsystem: completer/config/ reaches
+none of completer's subpackages (engine, server, disagg, cluster, lsp, ...),
+which import their sections from it."""
 
 import ast
 from pathlib import Path
@@ -165,3 +169,45 @@ def test_the_engine_imports_nothing_of_the_subsystems_that_plug_into_it():
     found = {n: sorted(m for m in imported if m.startswith(plugged))
              for n, imported in graph.items() if n.startswith("completer.engine")}
     assert not {n: m for n, m in found.items() if m}, found
+
+
+def subsystems() -> set[str]:
+    """completer's subpackages but the config: every folder with an __init__.py (a new one is one too)."""
+    return {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / PACKAGE).rglob("__init__.py")
+            if p.parent != ROOT / PACKAGE} - {"completer.config"}
+
+
+def config_reaches_subsystems(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For each module of completer.config, the subsystem modules it reaches (through any chain of imports)."""
+    inside = subsystems()
+    found = {}
+    for name in graph:
+        if name == "completer.config" or name.startswith("completer.config."):
+            reached = sorted(m for m in reachable(graph, name)
+                             if any(m == s or m.startswith(s + ".") for s in inside))
+            if reached:
+                found[name] = reached
+    return found
+
+
+def test_the_config_imports_no_subsystem():
+    graph = import_graph()
+    assert {"completer.config.engine", "completer.config.load"} <= set(graph)
+    assert {"completer.engine", "completer.server", "completer.cluster", "completer.disagg"} <= subsystems()
+    assert not (found := config_reaches_subsystems(graph)), f"completer.config reaches subsystems: {found}"
+
+
+def test_the_config_direction_check_sees_an_import_of_a_subsystem():
+    """A section's module importing the engine's, directly or through a top-level module, is caught."""
+    graph = import_graph()
+    direct = {**graph, "completer.config.engine": graph["completer.config.engine"] | {"completer.engine.request"}}
+    assert "completer.engine.request" in config_reaches_subsystems(direct).get("completer.config.engine", [])
+    through = {**graph, "completer.config.model": graph["completer.config.model"] | {"completer.pipeline"}}
+    assert "completer.engine.request" in config_reaches_subsystems(through)["completer.config.model"]
+
+
+def test_the_config_knows_nothing_of_torch():
+    """Reading a config (`completer lsp`, `--help`, a client) loads no model code."""
+    graph, modules = import_graph(), module_names()
+    with_torch = sorted(m for m in reachable(graph, "completer.config") if imports_torch(modules[m]))
+    assert not with_torch, f"completer.config reaches torch through {with_torch}"

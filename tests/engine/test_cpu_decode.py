@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from completer.checkpoint import CheckpointError
 from completer.cpu_quant import INT4_GROUP, Int4Linear, Int8Linear
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.loading import load
 from completer.model_store import EMBEDDED_TARGET
 from support.engine_harness import served_greedy_text

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton decode path runs on
 import pytest
 
 from completer.engine.calibration import calibrate_speculation
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.engine import Engine
 from completer.engine.request import EngineError, Finished, Request, SamplingParams
 from support.engine_harness import StepLoop, free_mode, greedy_reference, make_core, prompts, run, usage

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.request import Confidence, Finished, Request, SamplingParams
 from support.engine_harness import free_mode, greedy_reference, make_core, prompts, run
 

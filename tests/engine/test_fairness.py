@@ -11,8 +11,7 @@ import time
 
 import msgspec
 
-from completer.config import load_config
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig, load_config
 from completer.engine.request import EngineError, Failed, Finished, Request, SamplingParams
 from completer.pipeline import CompletionPipeline
 from completer.protocol import Document

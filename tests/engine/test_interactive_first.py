@@ -10,7 +10,7 @@ import asyncio
 import msgspec
 import pytest
 
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.engine import Engine
 from completer.engine.request import Delta, Finished, Request, SamplingParams
 from support.engine_harness import StepLoop, free_mode, make_core, prompts, run, usage

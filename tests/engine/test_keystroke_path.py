@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.moved_kv import longest_shared_run
 from completer.engine.request import Request
 from completer.healing import TokenHealer

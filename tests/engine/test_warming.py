@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from completer.document import DocumentPrompt
-from completer.engine.config import EngineConfig
+from completer.config import EngineConfig
 from completer.engine.request import Finished, Request, SamplingParams
 from completer.prompt import PromptBuilder, Snippet, get_template
 from completer.warming import warm_heads

@@ -20,7 +20,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
 from completer.checkpoint import load_model
 from completer.cpu_quant import Int4Linear, Int8Linear, int4_groups, q8_product_int8, quantize_cpu_linears
 from completer.engine.attention import AttentionMetadata, PassInterrupted, TorchAttention
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.fused_cpu import FusedCpuLayers, FusedUnsupported, fused_layers_for
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool

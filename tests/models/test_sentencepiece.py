@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from completer.document import DocumentPrompt
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.request import Finished, Request, SamplingParams
 from completer.healing import TokenHealer

@@ -10,7 +10,7 @@ import copy
 import msgspec
 import torch
 
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.engine.engine import Engine
 from completer.engine.request import Finished, Request, SamplingParams

@@ -2,7 +2,7 @@
 // without a close: the machine slept, a tunnel or NAT dropped it, the server
 // froze. TCP then reports nothing for minutes while every request waits. The
 // server pings each connection every 20 s (server.keepalive_s in
-// completer/config.py), so a healthy one is never silent for much longer;
+// completer/config/server.py), so a healthy one is never silent for much longer;
 // after `silenceMs` without a frame, a ping, or a pong, or whenever a request
 // overran its deadline, we ping it ourselves, and no pong within
 // `pongTimeoutMs` means dead. Times are wall-clock (Date.now), so a suspend

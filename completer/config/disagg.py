@@ -6,7 +6,7 @@ import math
 
 import msgspec
 
-from completer.engine.config import ConfigProblem
+from completer.config.problem import ConfigProblem
 
 
 class DisaggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,14 +1,12 @@
-"""The engine's config sections (`[engine]`, `[spec]`); every speed feature has a switch."""
+"""`[engine]` and `[spec]`: the engine's sections; every speed feature has a switch."""
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal
 
 import msgspec
 
-if TYPE_CHECKING:
-    from completer.model import ModelConfig
+from completer.config.problem import ConfigProblem, below, not_positive
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,50 +88,27 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     defer_draft_prefill: bool = True
 
 
-# -- validation -----------------------------------------------------------------
-# The structs take any value of the right type (tests and benchmarks build them
-# directly); `completer.config.load_config` runs these checks on what a user
-# wrote, so a value the engine cannot run with stops the start with one line.
-
-
-class ConfigProblem(NamedTuple):
-    keys: tuple[str, ...]  # the keys it is about, e.g. ("engine.block_size",), to say where they were set
-    message: str  # one line naming them and the bound
-
-
-def _below(key: str, value: int, least: int) -> list[ConfigProblem]:
-    if value < least:
-        return [ConfigProblem((key,), f"{key} = {value}: must be at least {least}")]
-    return []
-
-
-def _not_positive(key: str, value: float) -> list[ConfigProblem]:
-    # Written so that NaN fails too (TOML has `nan` and `inf`).
-    if not (value > 0 and math.isfinite(value)):
-        return [ConfigProblem((key,), f"{key} = {value}: must be a positive number")]
-    return []
-
-
 def engine_problems(engine: EngineConfig) -> list[ConfigProblem]:
     """Values of `[engine]` the engine cannot run with (the size of the KV cache
-    against the models is `kv_cache_problem`'s, once their shapes are known)."""
-    found = _not_positive("engine.kv_cache_mb", engine.kv_cache_mb)
+    against the models is `engine/paged_kv.py`'s `kv_cache_problem`, once their shapes
+    are known, at start)."""
+    found = not_positive("engine.kv_cache_mb", engine.kv_cache_mb)
     for key in ("block_size", "max_running", "max_queue", "prefill_chunk", "bulk_chunk"):
-        found += _below(f"engine.{key}", getattr(engine, key), 1)
+        found += below(f"engine.{key}", getattr(engine, key), 1)
     for key in ("threads", "decode_threads"):  # 0 = torch's default
-        found += _below(f"engine.{key}", getattr(engine, key), 0)
-    found += _below("engine.candidates_max_batch", engine.candidates_max_batch, 0)  # 0: never fork candidates
-    found += _below("engine.bulk_tokens", engine.bulk_tokens, 0)
+        found += below(f"engine.{key}", getattr(engine, key), 0)
+    found += below("engine.candidates_max_batch", engine.candidates_max_batch, 0)  # 0: never fork candidates
+    found += below("engine.bulk_tokens", engine.bulk_tokens, 0)
     for key in ("bulk_starve_ms", "bulk_slice_ms"):
-        found += _not_positive(f"engine.{key}", getattr(engine, key))
+        found += not_positive(f"engine.{key}", getattr(engine, key))
     return found
 
 
 def spec_problems(spec: SpecConfig) -> list[ConfigProblem]:
     """Values of `[spec]` speculation cannot run with."""
-    found = _below("spec.k_max", spec.k_max, 0) + _below("spec.k_init", spec.k_init, 0)
-    found += _below("spec.max_batch", spec.max_batch, 0)  # 0: never speculate
-    found += _below("spec.ngram_min", spec.ngram_min, 1)  # a 0-gram would match everywhere
+    found = below("spec.k_max", spec.k_max, 0) + below("spec.k_init", spec.k_init, 0)
+    found += below("spec.max_batch", spec.max_batch, 0)  # 0: never speculate
+    found += below("spec.ngram_min", spec.ngram_min, 1)  # a 0-gram would match everywhere
     if not found and spec.k_init > spec.k_max:
         found.append(ConfigProblem(("spec.k_init", "spec.k_max"),
                                    f"spec.k_init = {spec.k_init} is above spec.k_max = {spec.k_max}"))
@@ -145,43 +120,3 @@ def spec_problems(spec: SpecConfig) -> list[ConfigProblem]:
         found.append(ConfigProblem(("spec.draft_share",), f"spec.draft_share = {spec.draft_share}: must be "
                                    "between 0 and 1 (exclusive) while spec.draft_model = true"))
     return found
-
-
-# Budget, in MB, over which pool_blocks' rounding down is negligible: MB per
-# block measured on it is exact to a millionth for any model (no memory is taken).
-_PROBE_MB = 2.0 ** 20
-
-
-def kv_cache_problem(engine: EngineConfig, spec: SpecConfig, context_tokens: int,
-                     models: dict[str, ModelConfig]) -> ConfigProblem | None:
-    """Whether one request over the whole window fits each KV pool.
-
-    models: role ("target", and "draft" when the drafter runs) -> its shape.
-    The engine refuses a request whose worst case exceeds a pool
-    (`KVCacheManager.too_large`); when not even a full-window request fits,
-    every long prompt would be refused, so the start stops instead."""
-    from completer.engine.paged_kv import KV_DTYPES, pool_blocks  # imports torch: only callers with models get here
-
-    dtype = KV_DTYPES[engine.kv_dtype]
-
-    # As EngineCore.build splits the budget between the pools.
-    share = {"target": 1 - spec.draft_share, "draft": spec.draft_share} if "draft" in models else {"target": 1.0}
-    # KVCacheManager.worst_case of a full window: prompt + completion = context_tokens,
-    # plus a last verify pass of k_max + 1 tokens; and block 0, the scratch block.
-    need = -(-(context_tokens + spec.k_max + 1) // engine.block_size) + 1
-    for role, cfg in models.items():
-        have = pool_blocks(cfg, engine.kv_cache_mb * share[role], engine.block_size, dtype)
-        if have >= need:
-            continue
-        mb_per_block = _PROBE_MB / pool_blocks(cfg, _PROBE_MB, engine.block_size, dtype)
-        enough = math.ceil(need * mb_per_block / share[role] * 10) / 10
-        while pool_blocks(cfg, enough * share[role], engine.block_size, dtype) < need:  # float rounding: a step or two
-            enough = round(enough + 0.1, 1)
-        share_hint = " (or raise spec.draft_share)" if role == "draft" else ""
-        return ConfigProblem(
-            ("engine.kv_cache_mb", "spec.draft_share", "model.context_tokens"),
-            f"engine.kv_cache_mb = {engine.kv_cache_mb} gives the {role} model {have} KV blocks of "
-            f"{engine.block_size} tokens; one request over the whole window (model.context_tokens = "
-            f"{context_tokens}, plus {spec.k_max + 1} tokens of a last verify pass) needs {need} with the "
-            f"scratch block: set engine.kv_cache_mb to at least {enough}{share_hint}")
-    return None

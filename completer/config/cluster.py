@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from completer.engine.config import ConfigProblem
+from completer.config.problem import ConfigProblem
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
