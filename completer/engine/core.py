@@ -234,31 +234,29 @@ class EngineCore:
             self.loop = self.executor.interrupted = None
 
     def _step(self) -> list[Event]:
-        events = self.take_closed_jobs()
+        self.take_closed_jobs()
         plan = self.scheduler.schedule(time.perf_counter())
-        events += self.update(plan, None)
+        self.update(plan, None)
         if plan.expired:  # their answers go out now, not after this step's (maybe long) passes
-            return events
+            return self.output.drain()
         if plan.prefill:
             torch.set_num_threads(1 if self.fused else self.prefill_threads)
             self.executor.slice_until = plan.slice_until
             prefilled = self.executor.prefill(plan)
-            events += self.update(plan, prefilled)
+            self.update(plan, prefilled)
             if prefilled.paused:  # work that goes first came: it runs next step, this pass goes on after it
-                return events
+                return self.output.drain()
             self.updater.expire(time.perf_counter())  # a long prefill must not carry others past their deadline
-            events += self.output.drain()
             if self.loop is not None and self.config.between_passes:
                 # A keystroke's first token is out a decode pass sooner; one superseded meanwhile
                 # does not take a place in that pass.
-                for request_id in self.loop.between_passes(events):
+                for request_id in self.loop.between_passes(self.output.drain()):
                     self.abort(request_id)
-                events = self.output.drain()
         if decoding := [s for s in plan.decode if s.status is Status.DECODE]:
             torch.set_num_threads(1 if self.fused else self.decode_threads)
-            events += self.update(plan, self.executor.decode(decoding))
+            self.update(plan, self.executor.decode(decoding))
             self.updater.expire(time.perf_counter())  # nor wait for the next step to end
-        return events + self.output.drain()
+        return self.output.drain()
 
     def take_closed_jobs(self) -> list[Event]:
         """The connector's closed jobs: their sequences decode, prefill here or
@@ -269,7 +267,7 @@ class EngineCore:
             return []
         jobs = self.connector.poll(self.scheduler.running)
         first = [self.executor.first_token(seq, logits) for seq, logits in jobs.ready if not seq.params.priming]
-        return self.update(None, (jobs, first))
+        return self.update(None, (jobs, first))  # (delivered with the step's, or the loop's drain)
 
     def _interrupted(self) -> bool:
         """Before each layer of a pass: whether every running request has a

@@ -15,7 +15,7 @@ from completer.engine.sequence import CacheState, Sequence
 
 def advance(states: Iterable[CacheState], lens: Iterable[int]) -> None:
     """A pass wrote the K/V of `n` more tokens after each state's `computed`.
-    (This module is the one place a `computed` changes: tests/test_architecture_doc.py.)"""
+    (This module is the one place a `computed` changes: tests/docs/test_architecture_doc.py.)"""
     for state, n in zip(states, lens):
         state.computed += n
 

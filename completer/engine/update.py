@@ -27,7 +27,9 @@ class Updater:
                outputs: PrefillOutput | DecodeOutput | tuple[ClosedJobs, list[FirstToken]] | None) -> list[Event]:
         """Apply what a step computed: nothing yet (the plan's expired end),
         its prefill passes, its verify pass, or the connector's closed jobs.
-        Returns the events so far."""
+        Returns the events it made (they stay in the output processor until
+        the step delivers them: a step that fails later still sends them)."""
+        before = len(self.output.events)
         match outputs:
             case None:
                 for seq in plan.expired:
@@ -38,7 +40,7 @@ class Updater:
                 self._verified(outputs)
             case (ClosedJobs() as jobs, first):
                 self._jobs_closed(jobs, first)
-        return self.output.drain()
+        return self.output.events[before:]
 
     def _prefilled(self, plan: SchedulerOutput, out: PrefillOutput) -> None:
         for seq, _, _ in plan.copies:
