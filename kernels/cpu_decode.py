@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from completer_kernels.cpu_levels import CpuLevel, CpuLevelError, runnable_levels, selected_level
+from completer_kernels.cpu_levels import CpuLevel, CpuLevelError, cpu_flags, runnable_levels, selected_level
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_gemm.h", "cpu_attention.h", "cpu_workers.h"))
@@ -82,16 +82,6 @@ class StoppedWaiting(FusedUnavailable):
     """A wait for another process's build ended by `stop_waiting()` or the caller's `cancel` (not remembered)."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def so_name(level: CpuLevel) -> str:
     return f"{MODULE}_{level.name}.so"
 
@@ -108,7 +98,7 @@ def build_directory(level: CpuLevel | None = None) -> Path:
     level = level or selected_level()
     key = hashlib.sha256(b"\0".join(x.encode() for x in (
         SOURCE.read_text(), *(h.read_text() for h in HEADERS), torch.__version__, sys.version, platform.machine(),
-        _cpu_flags(), level.name, " ".join(level.cflags())))).hexdigest()[:16]
+        " ".join(sorted(cpu_flags())) or platform.processor(), level.name, " ".join(level.cflags())))).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_decode-{level.name}-{key}"
 
 

@@ -195,7 +195,7 @@ def test_a_level_this_cpu_cannot_run_or_no_level_is_refused_in_one_line_naming_i
     from completer.cpu_quant import int8_fused_here
 
     monkeypatch.setattr(cpu_levels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))  # an AVX2 CPU
-    if not runnable_levels()[-1] == cpu_levels.AVX2:
+    if runnable_levels()[-1] != cpu_levels.AVX2:
         pytest.skip("not an x86-64 machine")
     assert cpu_levels.selected_level() == cpu_levels.AVX2
     monkeypatch.setenv(cpu_levels.ENV, "avx512")
@@ -210,7 +210,8 @@ def test_a_level_this_cpu_cannot_run_or_no_level_is_refused_in_one_line_naming_i
     monkeypatch.setenv(cpu_levels.ENV, "avx9")
     with pytest.raises(cpu_decode.FusedUnavailable) as unknown:
         cpu_decode.extension()
-    assert str(unknown.value) == "$COMPLETER_CPU_LEVEL='avx9' is not a level of the fused CPU layer (scalar, avx2, avx512)"
+    assert str(unknown.value) == \
+        "$COMPLETER_CPU_LEVEL='avx9' is not a level of the fused CPU layer (scalar, avx2, avx512)"
     assert not cpu_decode.built() and not int8_fused_here()
 
 
