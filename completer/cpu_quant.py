@@ -306,11 +306,10 @@ def _part_rows(module: nn.Module, name: str, rows: int) -> tuple[int, ...]:
 
 
 def int8_fused_here() -> bool:
-    """Whether this CPU runs int8 projections in the fused layer (its 8-bit
-    tiles need AVX512-VNNI; elsewhere int8 runs torch's fbgemm ops)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_vnni" in flags and "avx512vl" in flags
+    """Whether this machine runs int8 projections in the fused layer: its 8-bit
+    tiles need a build that takes tiles, and the level it runs (the highest this
+    CPU allows, or $COMPLETER_CPU_LEVEL's) says so without building it;
+    elsewhere int8 runs torch's fbgemm ops."""
+    from completer_kernels.cpu_levels import tiles_here
+
+    return tiles_here()

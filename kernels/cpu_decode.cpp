@@ -1,7 +1,8 @@
 // A decoder layer for CPU passes of a few tokens (decode, verify, a keystroke's
 // prefill), in one call: the norms, 4-bit projections, RoPE, the K/V write,
 // attention over the paged pool, the MLP. Built at first use by cpu_decode.py
-// (torch.utils.cpp_extension, -march=native).
+// (torch.utils.cpp_extension), once per feature level (cpu_levels.py: scalar,
+// avx2, avx512), each with its explicit flags.
 //
 // The families' differences (completer/model.py's ModelConfig) are options, each
 // one generic path: per model the norm (RMSNorm, or LayerNorm with a bias), the
@@ -20,7 +21,7 @@
 // backend does it: a block of 32 weights w = q * d + m (q in 0..15, d and m
 // fp16) against 32 activations x ~= qx * dx (qx int8) gives
 //   sum(w x) ~= d * dx * sum(q qx) + m * sum(x),
-// the integer sum on AVX512-VNNI (dpbusd: u8 x s8), AVX2 (maddubs) or plain C.
+// the integer sum on AVX512-VNNI (dpbusd: u8 x s8; COMPLETER_TILES), AVX2 (maddubs) or plain C.
 // sum(x) is taken from the unquantized activations.
 //
 // The pieces: cpu_gemm.h (the projections and the head), cpu_attention.h
@@ -361,7 +362,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kpool, torch::Tenso
 }
 
 std::string simd() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if COMPLETER_TILES
   return "avx512-vnni";
 #elif defined(__AVX2__)
   return "avx2";
@@ -370,9 +371,13 @@ std::string simd() {
 #endif
 }
 
+// Whether this build multiplies weights in VNNI tiles (else only pairs): what Python packs.
+bool tiles_available() { return COMPLETER_TILES; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
-  pybind11::class_<FusedLayers>(m, "FusedLayers")
+  // module_local: each level's build is its own module in one process (tests load all three).
+  pybind11::class_<FusedLayers>(m, "FusedLayers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, int64_t, const std::string&, const std::string&,
                           const std::string&, double>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("q8"), arg("threads"), pybind11::kw_only(),
@@ -387,4 +392,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, arg("q"), arg("kpool"), arg("vpool"), arg("tables"), arg("context_lens"),
         arg("tokens_per_row"), arg("block_size"), arg("window") = 0, arg("softcap") = 0.0);
   m.def("simd", &simd);
+  m.def("tiles_available", &tiles_available);
 }

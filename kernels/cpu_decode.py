@@ -9,10 +9,14 @@ fp32 or quantized to 8 bits per block of 32 for the integer dot products, as
 llama.cpp's CPU backend does. `q4_linear_reference` is the 8-bit math in plain
 torch.
 
-The extension is compiled with -march=native into the completer cache
-(keyed by the source, torch, Python and this CPU's flags), so the first start
-on a machine spends some seconds in the C++ compiler; without one,
-`extension()` raises FusedUnavailable and the engine runs torch's ops.
+The extension is compiled per feature level (cpu_levels.py: scalar, avx2,
+avx512, each with its explicit flags; the highest this CPU runs, or
+$COMPLETER_CPU_LEVEL's) into the completer cache (a folder per level, keyed
+by the source, torch, Python, the level and this CPU's flags), so the first
+start on a machine spends some seconds in the C++ compiler; without one, or
+with a level this CPU cannot run, `extension()` raises FusedUnavailable and
+the engine runs torch's ops. A build's `tiles_available()` says whether it
+takes weights in tiles; at each load it must match its level's `tiles`.
 
 The cache is code this process runs, so it is checked before anything in it
 is loaded (issue #43):
@@ -25,7 +29,7 @@ is loaded (issue #43):
   holder's start), then the layer is built in a private folder; a torch
   `lock` left by a killed build is removed; `stop_waiting()` (the server's
   SIGTERM) ends a wait at once;
-- the built .so's size and sha256 go to a sidecar (`completer_cpu_decode.so.sha256`,
+- the built .so's size and sha256 go to a sidecar (`completer_cpu_decode_LEVEL.so.sha256`,
   written atomically after the build) and are compared before every load: a
   .so that does not match (truncated, damaged, swapped) is deleted with the
   build's other outputs and rebuilt, never loaded.
@@ -52,21 +56,21 @@ from pathlib import Path
 
 import torch
 
+from completer_kernels.cpu_levels import CpuLevel, CpuLevelError, cpu_flags, runnable_levels, selected_level
+
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_gemm.h", "cpu_attention.h", "cpu_workers.h"))
 QK = 32  # weights per Q4_1 block
 PAIR_BYTES = 40  # two blocks: fp16 scales, fp16 minimums, 32 bytes of nibbles
 
-MODULE = "completer_cpu_decode"
-SO_NAME = f"{MODULE}.so"
-RECORD_NAME = f"{SO_NAME}.sha256"  # the sidecar: {"size": bytes, "sha256": hex} of the .so built here
+MODULE = "completer_cpu_decode"  # a level's module: MODULE_LEVEL (each its own name, in one process too)
 LOCK_NAME = "build.lock"
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's own lock file (it waits on it without end)
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 
 log = logging.getLogger("completer.kernels")
 _lock = threading.Lock()
-_built: dict[str, object] = {}
+_built: dict[str, object] = {}  # per level's name: its module, or why it cannot run (a str)
 _stopping = threading.Event()
 
 
@@ -78,22 +82,24 @@ class StoppedWaiting(FusedUnavailable):
     """A wait for another process's build ended by `stop_waiting()` or the caller's `cancel` (not remembered)."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def so_name(level: CpuLevel) -> str:
+    return f"{MODULE}_{level.name}.so"
 
 
-def build_directory() -> Path:
+def record_name(level: CpuLevel) -> str:
+    """The sidecar: {"size": bytes, "sha256": hex} of the level's .so built beside it."""
+    return f"{so_name(level)}.sha256"
+
+
+def build_directory(level: CpuLevel | None = None) -> Path:
+    """The level's folder in the cache (by default the level this machine runs)."""
     from completer.model_store import cache_dir
 
+    level = level or selected_level()
     key = hashlib.sha256(b"\0".join(x.encode() for x in (
-        SOURCE.read_text(), *(h.read_text() for h in HEADERS), torch.__version__, sys.version, platform.machine(), _cpu_flags()))).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_decode-{key}"
+        SOURCE.read_text(), *(h.read_text() for h in HEADERS), torch.__version__, sys.version, platform.machine(),
+        " ".join(sorted(cpu_flags())) or platform.processor(), level.name, " ".join(level.cflags())))).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_decode-{level.name}-{key}"
 
 
 def build_timeout_s() -> float:
@@ -149,10 +155,10 @@ def _sha256(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def so_problem(folder: Path) -> str | None:
-    """Why the .so in `folder` may not be loaded, or None: it must be a
+def so_problem(folder: Path, level: CpuLevel) -> str | None:
+    """Why the level's .so in `folder` may not be loaded, or None: it must be a
     regular file whose size and sha256 are the sidecar's."""
-    so, record = folder / SO_NAME, folder / RECORD_NAME
+    so, record = folder / so_name(level), folder / record_name(level)
     try:
         st = os.lstat(so)
         if not stat.S_ISREG(st.st_mode):
@@ -161,7 +167,7 @@ def so_problem(folder: Path) -> str | None:
             want = json.loads(record.read_text())
             size, digest = int(want["size"]), str(want["sha256"])
         except FileNotFoundError:
-            return f"{so} has no record of its build ({RECORD_NAME})"
+            return f"{so} has no record of its build ({record.name})"
         except (ValueError, KeyError, TypeError):
             return f"{record} is damaged"
         if st.st_size != size:
@@ -175,25 +181,25 @@ def so_problem(folder: Path) -> str | None:
     return None
 
 
-def _write_record(folder: Path) -> None:
+def _write_record(folder: Path, level: CpuLevel) -> None:
     """The sidecar, atomically: a temporary file beside it, fsynced, renamed."""
-    size, digest = _sha256(folder / SO_NAME)
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{RECORD_NAME}.")
+    size, digest = _sha256(folder / so_name(level))
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=f".{record_name(level)}.")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"size": size, "sha256": digest}, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, folder / RECORD_NAME)
+        os.replace(temp, folder / record_name(level))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
 
 
-def _clear(folder: Path) -> None:
+def _clear(folder: Path, level: CpuLevel) -> None:
     """The build's outputs gone (the record first: a .so without one is never loaded); the lock stays."""
-    for name in (RECORD_NAME, *sorted(os.listdir(folder))):
+    for name in (record_name(level), *sorted(os.listdir(folder))):
         if name == LOCK_NAME:
             continue
         path = folder / name
@@ -251,86 +257,107 @@ def _build_lock(folder: Path, cancel: threading.Event | None) -> Iterator[bool]:
         os.close(fd)
 
 
-def _import(folder: Path):
-    spec = importlib.util.spec_from_file_location(MODULE, folder / SO_NAME)
+def _import(folder: Path, level: CpuLevel):
+    spec = importlib.util.spec_from_file_location(f"{MODULE}_{level.name}", folder / so_name(level))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _build_and_load(folder: Path):
-    """The .so checked and loaded from `folder`, built there first when it
-    is missing or does not match its record; the caller holds the lock."""
-    if (problem := so_problem(folder)) is None:
-        return _import(folder)
-    if (folder / SO_NAME).exists() or (folder / RECORD_NAME).exists():
+def _build_and_load(folder: Path, level: CpuLevel):
+    """The level's .so checked and loaded from `folder`, built there first when
+    it is missing or does not match its record; the caller holds the lock."""
+    if (problem := so_problem(folder, level)) is None:
+        return _import(folder, level)
+    if (folder / so_name(level)).exists() or (folder / record_name(level)).exists():
         log.warning("the fused CPU layer: %s; rebuilding it", problem)
-    _clear(folder)  # (with a torch baton a killed build left: every builder holds the lock)
+    _clear(folder, level)  # (with a torch baton a killed build left: every builder holds the lock)
     from torch.utils import cpp_extension
 
-    # (torch renames a second build in one process `_v1`: this one is always SO_NAME.)
-    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(MODULE, None)
-    module = cpp_extension.load(name=MODULE, sources=[str(SOURCE)], build_directory=str(folder),
-                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    # (torch renames a second build in one process `_v1`: this one is always so_name(level).)
+    name = f"{MODULE}_{level.name}"
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+    module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+                                extra_cflags=["-O3", *level.cflags(), "-fopenmp"],
                                 verbose=bool(os.environ.get("COMPLETER_VERBOSE_BUILD")))
-    _write_record(folder)
+    _write_record(folder, level)
     return module
 
 
-def _load(cancel: threading.Event | None):
-    folder = build_directory()
+def _load(cancel: threading.Event | None, level: CpuLevel):
+    folder = build_directory(level)
     if (problem := _private_folder(folder)) is not None:
         private = Path(tempfile.mkdtemp(prefix="completer-kernels-"))
         log.warning("the kernel cache %s: nothing is loaded from it; building the fused CPU layer in %s "
                     "(make it 0700 and yours, or remove it)", problem, private)
-        return _load_private(private)
+        return _load_private(private, level)
     with _build_lock(folder, cancel) as held:
         if held:
-            return _build_and_load(folder)
+            return _build_and_load(folder, level)
     private = Path(tempfile.mkdtemp(prefix="completer-kernels-"))
     log.warning("building the fused CPU layer in %s instead", private)
-    return _load_private(private)
+    return _load_private(private, level)
 
 
-def _load_private(private: Path):
+def _load_private(private: Path, level: CpuLevel):
     try:
-        return _build_and_load(private)
+        return _build_and_load(private, level)
     finally:  # (the module stays mapped)
         shutil.rmtree(private, ignore_errors=True)
 
 
-def built() -> bool:
-    """Whether this machine already has the compiled module, checked (a start then loads it in a moment)."""
-    if "module" in _built:
-        return True
+def _level(level: CpuLevel | None) -> CpuLevel:
+    """`level`, or the one this machine runs; FusedUnavailable (one line) where this CPU cannot run it."""
     try:
-        folder = build_directory()
-        return folder_problem(folder.parent) is None and folder_problem(folder) is None and so_problem(folder) is None
-    except OSError:
+        chosen = level or selected_level()
+    except CpuLevelError as e:
+        raise FusedUnavailable(str(e)) from None
+    if chosen not in runnable_levels():
+        raise FusedUnavailable(f"this CPU cannot run the {chosen.name} build of the fused CPU layer")
+    return chosen
+
+
+def built(level: CpuLevel | None = None) -> bool:
+    """Whether this machine already has the level's compiled module (by default
+    the level it runs), checked (a start then loads it in a moment)."""
+    try:
+        level = _level(level)
+        if not isinstance(_built.get(level.name, ""), str):
+            return True
+        folder = build_directory(level)
+        return folder_problem(folder.parent) is None and folder_problem(folder) is None and \
+            so_problem(folder, level) is None
+    except (OSError, FusedUnavailable):
         return False
 
 
-def extension(cancel: threading.Event | None = None):
-    """The compiled module (cached in-process and on disk, checked before it
-    is loaded). `cancel`: set, a wait for another process's build ends."""
+def extension(cancel: threading.Event | None = None, level: CpuLevel | None = None):
+    """The compiled module of `level` (by default the one this machine runs;
+    cached in-process and on disk, checked before it is loaded). `cancel`:
+    set, a wait for another process's build ends."""
     with _lock:
-        if "module" in _built:
-            return _built["module"]
-        if "error" in _built:
-            raise FusedUnavailable(_built["error"])
+        level = _level(level)
+        known = _built.get(level.name)
+        if isinstance(known, str):
+            raise FusedUnavailable(known)
+        if known is not None:
+            return known
         try:
-            module = _load(cancel)
+            module = _load(cancel, level)
+            if (module.simd(), module.tiles_available()) != (level.simd, level.tiles):
+                raise FusedUnavailable(f"the {level.name} build of the fused CPU layer is {module.simd()} with tiles "
+                                       f"{module.tiles_available()}, not its level's {level.simd} with {level.tiles}")
         except StoppedWaiting:
             raise
         except FusedUnavailable as e:
-            _built["error"] = str(e)
+            _built[level.name] = str(e)
             raise
         except Exception as e:  # no compiler, no ninja, a compile error: the torch path serves
             text = f"{e}\n{e.__cause__ or ''}".strip().splitlines() or [type(e).__name__]
             first = next((line for line in text if "error:" in line), text[-1])
-            _built["error"] = f"the fused CPU layer could not be built ({type(e).__name__}: {first[:200]})"
-            raise FusedUnavailable(_built["error"]) from e
-        _built["module"] = module
+            _built[level.name] = f"the fused CPU layer could not be built ({type(e).__name__}: {first[:200]})"
+            raise FusedUnavailable(_built[level.name]) from e
+        _built[level.name] = module
         return module
 
 

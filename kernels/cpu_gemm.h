@@ -22,6 +22,15 @@
 #include <immintrin.h>
 #endif
 
+// The one condition for every AVX512-VNNI path: the tiled GEMMs (and so whether
+// tiled weights are taken: the build's tiles_available()) and dpbusd over pairs.
+// cpu_levels.py's `tiles` says the same per level; cpu_decode.py checks they agree.
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#define COMPLETER_TILES 1
+#else
+#define COMPLETER_TILES 0
+#endif
+
 namespace cpu_decode {
 
 constexpr int QK = 32;          // weights per block (a scale and a minimum each)
@@ -149,7 +158,7 @@ inline float dot_row_portable(const uint8_t* w, const X* x, const float* dx, con
 
 // One weight row against one quantized activation row: sum over pairs of blocks.
 inline float dot_row(const uint8_t* w, const int8_t* qx, const float* dx, const float* sx, int64_t pairs) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if COMPLETER_TILES
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m128 mins = _mm_setzero_ps();
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
@@ -249,7 +258,7 @@ inline void dot_rows_f32(const uint8_t* w, const float* x, int64_t k, int64_t pa
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if COMPLETER_TILES
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -348,7 +357,7 @@ void gemm_tiled(Workers& workers, const Activations& x, const Q4Matrix& w, float
 // y[m, n] = x[m, :] . w[n, :] (+ bias), every output row read once for all m rows.
 inline void q4_gemm(Workers& workers, const Activations& x, const Q4Matrix& w, float* y) {
   if (w.layout != Layout::Pairs) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if COMPLETER_TILES
     TORCH_CHECK(x.q8, "tiled weights take 8-bit activations");
     if (w.layout == Layout::Tiles4) gemm_tiled<false>(workers, x, w, y);
     else gemm_tiled<true>(workers, x, w, y);

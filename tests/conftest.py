@@ -15,7 +15,9 @@ from support.tiny import code_tokenizer
 def pytest_sessionstart(session):
     """The fused CPU layer compiles once per machine (~1 min on 2 cores): here,
     not inside the first test that starts a server on an int4 model, whose
-    start would otherwise wait for the compiler."""
+    start would otherwise wait for the compiler. This is the level servers
+    run (kernels/cpu_levels.py); the kernel tests build the machine's other
+    levels when they first need them (test_fused_cpu.py's `level`)."""
     from completer_kernels import cpu_decode
 
     if not cpu_decode.built():

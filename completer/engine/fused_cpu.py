@@ -15,9 +15,10 @@ options); embedding and logit scales stay in Python (`Transformer.embed`,
 
 Int4 targets (`model.precision = "int4"`, the CPU default): the layer's
 GEMMs are Q4_1 x Q8, llama.cpp's CPU math (`engine.fused_cpu_q8`, default;
-on AVX512-VNNI the weights are packed in tiles of 16 rows for it), or Q4_1 x
-fp32 activations. Int8 targets too where those tiles run (8-bit weights with
-a scale per row x Q8 activations); elsewhere int8 runs torch's ops.
+where the build takes tiles, its `tiles_available()`: the avx512 level, the
+weights are packed in tiles of 16 rows for it), or Q4_1 x fp32 activations.
+Int8 targets too where those tiles run (8-bit weights with a scale per row x
+Q8 activations); elsewhere int8 runs torch's ops.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -33,6 +34,9 @@ from completer.cpu_quant import Int4Linear, Int8Linear
 from completer.engine.attention import AttentionMetadata, PassInterrupted
 from completer.engine.paged_kv import KVPool
 from completer.model import Transformer
+
+if TYPE_CHECKING:
+    from completer_kernels.cpu_levels import CpuLevel
 
 
 log = logging.getLogger("completer.engine")
@@ -46,10 +50,11 @@ class FusedUnsupported(ValueError):
 class FusedCpuLayers:
     MAX_TOKENS = 32  # new tokens in a pass (all rows); more go through torch
 
-    def __init__(self, model: Transformer, q8: bool = False, threads: int = 0):
+    def __init__(self, model: Transformer, q8: bool = False, threads: int = 0, level: CpuLevel | None = None):
         """q8: activations quantized to 8 bits per block of 32 for the GEMMs
         (llama.cpp's math; its reference is `q8_activations` on the int4 and
-        int8 linears); else fp32 activations."""
+        int8 linears); else fp32 activations. level: the build's (tests; by
+        default the one this machine runs, completer_kernels.cpu_levels)."""
         from completer_kernels.cpu_decode import extension, pack_i8_tiles, pack_q4, pack_q4_tiles
 
         cfg = model.config
@@ -57,7 +62,7 @@ class FusedCpuLayers:
             raise FusedUnsupported("the fused layer runs on CPU only")
         if not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):  # (before building it)
             raise FusedUnsupported("the fused layer takes int4 or int8 projections, not a float model")
-        ext = extension()  # FusedUnavailable: no compiler here
+        ext = extension(level=level)  # FusedUnavailable: no compiler here, or a level this CPU lacks
         self.model = model
         try:  # (the layer names a norm, an activation or an MLP it has no code for)
             self.impl = ext.FusedLayers(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -66,14 +71,15 @@ class FusedCpuLayers:
         except RuntimeError as e:
             raise FusedUnsupported(f"the fused layer has {e} ({cfg.architecture})") from None
 
-        tiles = q8 and ext.simd() == "avx512-vnni"  # the layout VNNI multiplies without reductions
+        # The layout VNNI multiplies without reductions, where the build has it (the build says).
+        self.tiles = tiles = q8 and ext.tiles_available()
 
         def packed(linear) -> tuple[torch.Tensor, torch.Tensor | None]:
             bias = None if linear.bias is None else linear.bias.float().contiguous()
             if isinstance(linear, Int8Linear):
                 if not tiles:
                     raise FusedUnsupported("int8 projections run through the fused layer only with 8-bit "
-                                           f"activations on AVX512-VNNI (this build: {ext.simd()}, q8 {q8})")
+                                           f"activations in VNNI tiles (this build: {ext.simd()}, q8 {q8})")
                 try:
                     return pack_i8_tiles(*linear.int8_weight()), bias
                 except ValueError as e:

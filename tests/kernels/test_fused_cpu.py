@@ -2,7 +2,12 @@
 GEMM and its paged attention equal their plain-torch references, the engine
 decodes through it the same greedy text as the fp32 reference path, and every
 family model.py serves (Qwen3, Gemma 1/2/3, StarCoder2, Granite) gives through
-it the torch path's logits on the same quantized weights."""
+it the torch path's logits on the same quantized weights.
+
+The layer's builds by feature level (kernels/cpu_levels.py: scalar, avx2,
+avx512): the kernel and per-family comparisons run against every level this
+machine runs (`level`, each build compiled once per cache); the engine-level
+tests against the level it runs by default."""
 
 import logging
 import os
@@ -28,7 +33,8 @@ from completer.engine.sequence import CacheState
 from completer.loading import load
 from completer.model import ModelConfig, Transformer
 from completer.model_store import EMBEDDED_TARGET
-from completer_kernels import cpu_decode
+from completer_kernels import cpu_decode, cpu_levels
+from completer_kernels.cpu_levels import BY_NAME, CpuLevel, runnable_levels
 from support.engine_harness import served_greedy_text
 from support.hf_models import random_hf_model
 
@@ -38,6 +44,18 @@ PROMPT = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n     
 @pytest.fixture(scope="module")
 def ext():
     return cpu_decode.extension()  # a compiler is part of the test machine (.ci/run)
+
+
+@pytest.fixture(scope="module", params=[level.name for level in runnable_levels()])
+def level(request) -> CpuLevel:
+    """Each level this machine runs (CI's AVX512-VNNI machine: all three)."""
+    return BY_NAME[request.param]
+
+
+@pytest.fixture(scope="module")
+def level_ext(level):
+    """The level's build."""
+    return cpu_decode.extension(level=level)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +97,8 @@ def reference_q8():
 
 
 def vnni_only(ext):
-    if ext.simd() != "avx512-vnni":
-        pytest.skip(f"the tiled kernels are AVX512-VNNI's; this machine's build is {ext.simd()}")
+    if not ext.tiles_available():
+        pytest.skip(f"the tiled kernels are AVX512-VNNI's; this build is {ext.simd()}")
 
 
 def packed_both_ways(pack, unpack, q, scale, low):
@@ -99,7 +117,8 @@ def assert_q8_reference(ext, x, packed, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(ext, rows):
+def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(level_ext, rows):
+    ext = level_ext
     torch.manual_seed(rows)
     w = torch.randn(200, 320) * 0.05
     q, scale, low = int4_groups(w)
@@ -113,7 +132,8 @@ def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(e
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_the_tiled_vnni_gemms_equal_the_pairs_kernel_and_the_torch_references(ext, rows):
+def test_the_tiled_vnni_gemms_equal_the_pairs_kernel_and_the_torch_references(level_ext, rows):
+    ext = level_ext
     vnni_only(ext)
     torch.manual_seed(rows)
     q, scale, low = int4_groups(torch.randn(208, 320) * 0.05)
@@ -133,9 +153,72 @@ def test_the_tiled_vnni_gemms_equal_the_pairs_kernel_and_the_torch_references(ex
                                q8_product_int8(x, q8, scale8) + bias, atol=1e-4, rtol=1e-5)
 
 
+def test_each_levels_build_is_its_own_module_saying_its_levels_simd_and_tiles(level, level_ext):
+    """The Python side packs tiles by what the build says (`tiles_available()`, COMPLETER_TILES
+    in cpu_gemm.h), and decides before building by the level's table (`int8_fused_here`): the
+    two agree, per level, and each level has its own module and cache folder."""
+    assert (level_ext.simd(), level_ext.tiles_available()) == (level.simd, level.tiles)
+    assert level.tiles == (level.name == "avx512")
+    assert level_ext.__file__ == str(cpu_decode.build_directory(level) / cpu_decode.so_name(level))
+    assert level_ext.__name__ == f"completer_cpu_decode_{level.name}"
+
+
+def test_each_level_packs_the_layout_its_build_reads(level, level_ext, int4):
+    """With 8-bit activations the layer packs tiles exactly where the build multiplies them;
+    a build without them refuses tiled weights, and an int8 model (tiles only) is refused."""
+    assert FusedCpuLayers(int4.model, q8=True, level=level).tiles == level.tiles
+    assert not FusedCpuLayers(int4.model, q8=False, level=level).tiles
+    if level.tiles:
+        return
+    q, scale, low = int4_groups(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="tiled weights need AVX512-VNNI"):
+        level_ext.q4_linear(torch.randn(1, 64), cpu_decode.pack_q4_tiles(q, scale, low), None, True)
+    with pytest.raises(FusedUnsupported, match="int8 projections run .* only with 8-bit activations in VNNI tiles"):
+        FusedCpuLayers(load(EMBEDDED_TARGET, "int8").model, q8=True, level=level)
+
+
+def test_the_level_is_the_highest_this_cpu_runs_unless_the_environment_names_one(monkeypatch):
+    from completer.cpu_quant import int8_fused_here
+
+    monkeypatch.delenv(cpu_levels.ENV, raising=False)
+    here = runnable_levels()
+    assert cpu_levels.selected_level() == here[-1]
+    for level in here:
+        monkeypatch.setenv(cpu_levels.ENV, level.name.upper())  # (any case)
+        assert cpu_levels.selected_level() == level
+        assert cpu_decode.extension().__name__ == f"completer_cpu_decode_{level.name}"
+        assert cpu_decode.built()
+        assert int8_fused_here() == level.tiles
+
+
+def test_a_level_this_cpu_cannot_run_or_no_level_is_refused_in_one_line_naming_it(monkeypatch):
+    from completer.cpu_quant import int8_fused_here
+
+    monkeypatch.setattr(cpu_levels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))  # an AVX2 CPU
+    if runnable_levels()[-1] != cpu_levels.AVX2:
+        pytest.skip("not an x86-64 machine")
+    assert cpu_levels.selected_level() == cpu_levels.AVX2
+    monkeypatch.setenv(cpu_levels.ENV, "avx512")
+    with pytest.raises(cpu_decode.FusedUnavailable) as refused:
+        cpu_decode.extension()
+    assert str(refused.value) == (
+        "$COMPLETER_CPU_LEVEL=avx512: this CPU cannot run the avx512 build of the fused CPU layer "
+        "(it lacks avx512_vnni avx512bw avx512dq avx512f avx512vl; it runs scalar, avx2)")
+    assert not cpu_decode.built() and not int8_fused_here()
+    with pytest.raises(cpu_decode.FusedUnavailable, match="this CPU cannot run the avx512 build"):
+        cpu_decode.extension(level=cpu_levels.AVX512)  # asked for by name too
+    monkeypatch.setenv(cpu_levels.ENV, "avx9")
+    with pytest.raises(cpu_decode.FusedUnavailable) as unknown:
+        cpu_decode.extension()
+    assert str(unknown.value) == \
+        "$COMPLETER_CPU_LEVEL='avx9' is not a level of the fused CPU layer (scalar, avx2, avx512)"
+    assert not cpu_decode.built() and not int8_fused_here()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,new,start", [(1, 1, 700), (1, 4, 37), (3, 3, 130), (2, 1, 0)])
-def test_paged_attention_equals_sdpa_over_scattered_blocks(ext, dtype, rows, new, start):
+def test_paged_attention_equals_sdpa_over_scattered_blocks(level_ext, dtype, rows, new, start):
+    ext = level_ext
     torch.manual_seed(start + rows)
     cfg = ModelConfig("LlamaForCausalLM", 16, 576, 1536, 1, 9, 3, 64, 2048)
     pool = KVPool(cfg, 700, 4)
@@ -151,7 +234,8 @@ def test_paged_attention_equals_sdpa_over_scattered_blocks(ext, dtype, rows, new
 
 @pytest.mark.parametrize("window,softcap", [(8, 0.0), (0, 1.5), (24, 1.5)], ids=["window", "softcap", "both"])
 @pytest.mark.parametrize("rows,new,start", [(1, 1, 700), (1, 4, 37), (3, 3, 130), (2, 6, 0)])
-def test_windowed_and_soft_capped_paged_attention_equals_torchs(ext, window, softcap, rows, new, start):
+def test_windowed_and_soft_capped_paged_attention_equals_torchs(level_ext, window, softcap, rows, new, start):
+    ext = level_ext
     torch.manual_seed(start + rows + window)
     cfg = ModelConfig("Gemma2ForCausalLM", 16, 576, 1536, 1, 8, 2, 64, 2048)
     pool = KVPool(cfg, 400, 4)
@@ -233,7 +317,8 @@ def test_a_model_the_fused_layer_cannot_run_serves_through_torch(caplog):
 
 
 def test_no_compiler_means_the_torch_path_with_one_line_saying_why(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_decode, "_built", {"error": "the fused CPU layer could not be built (no c++)"})
+    monkeypatch.setattr(cpu_decode, "_built", {cpu_levels.selected_level().name:
+                                               "the fused CPU layer could not be built (no c++)"})
     model = load(EMBEDDED_TARGET, "int4").model
     with caplog.at_level(logging.INFO, logger="completer.engine"):
         assert fused_layers_for(model) is None
@@ -363,11 +448,10 @@ def family_model(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_each_family_runs_fused_with_the_torch_paths_logits_and_kv(family_model, schedule):
+def test_each_family_runs_fused_with_the_torch_paths_logits_and_kv(level, family_model, schedule):
     family, directory = family_model
     model = load_model(directory, "int4", fuse=True)
-    fused = fused_layers_for(model)
-    assert fused is not None, family
+    fused = FusedCpuLayers(model, level=level)
     # The fused layer holds its own packed copy of the weights: the model's torch path
     # (the reference, and the passes too wide for the layer) made exact meanwhile.
     torch_reference(model, q8_activations=False)
@@ -379,17 +463,18 @@ def test_each_family_runs_fused_with_the_torch_paths_logits_and_kv(family_model,
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_each_family_with_8bit_activations_gives_its_q8_references_logits(ext, family_model, precision):
-    """The tiled kernels (VNNI), 8-bit activations: the same math as the q8 reference, but
-    rounding activations to 8 bits amplifies the last bit's differences (the reference itself
-    moves ~1e-3 of its hidden states under 1e-7 noise on its input), so the bound is
-    relative: measured <= 0.065 at int4, 0.011 at int8, where a layer without its window,
-    q/k norms or soft cap is off by 0.3 to 1.2."""
-    vnni_only(ext)
+def test_each_family_with_8bit_activations_gives_its_q8_references_logits(level, level_ext, family_model, precision):
+    """8-bit activations (the tiled kernels where the build has them, else the pairs'): the
+    same math as the q8 reference, but rounding activations to 8 bits amplifies the last
+    bit's differences (the reference itself moves ~1e-3 of its hidden states under 1e-7
+    noise on its input), so the bound is relative: measured <= 0.065 at int4, 0.011 at
+    int8, where a layer without its window, q/k norms or soft cap is off by 0.3 to 1.2."""
+    if precision == "int8":
+        vnni_only(level_ext)  # (int8 runs only in tiles: test_a_build_without_tiles_...)
     family, directory = family_model
     model = load_model(directory, precision, fuse=True)
-    fused = fused_layers_for(model, q8=True)
-    assert fused is not None, family
+    fused = FusedCpuLayers(model, q8=True, level=level)
+    assert fused.tiles == level.tiles, family
     torch_reference(model, q8_activations=True)
     with torch.inference_mode():
         want = family_passes(model, None, SCHEDULES["fused-prefill"])

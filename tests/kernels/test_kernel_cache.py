@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 
 from completer_kernels import cpu_decode
+from completer_kernels.cpu_levels import selected_level
 
+LEVEL = selected_level()  # each start below builds the level this machine runs (every level's folder is alike)
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 START = """
@@ -54,7 +56,7 @@ def start(cache: Path, timeout: float = 240, **env) -> tuple[dict, str, float]:
 
 
 def key_folder(cache: Path) -> Path:
-    return cache / "kernels" / cpu_decode.build_directory().name
+    return cache / "kernels" / cpu_decode.build_directory(LEVEL).name
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,8 @@ def built(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("kernel-cache")
     answer, log, _ = start(cache, timeout=600)
     folder = key_folder(cache)
-    assert answer["file"] == str(folder / cpu_decode.SO_NAME), (answer, log)
-    assert cpu_decode.so_problem(folder) is None
+    assert answer["file"] == str(folder / cpu_decode.so_name(LEVEL)), (answer, log)
+    assert cpu_decode.so_problem(folder, LEVEL) is None
     for f in (cache / "kernels", folder):
         assert f.stat().st_mode & 0o777 == 0o700
     return folder
@@ -90,11 +92,11 @@ def test_a_kernel_planted_in_a_folder_another_user_owns_and_anyone_can_write_is_
     src = tmp_path / "planted.c"
     src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
                    f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
-    so = folder / cpu_decode.SO_NAME
+    so = folder / cpu_decode.so_name(LEVEL)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
     os.utime(so, (time.time() + 60, time.time() + 60))  # newer than the .o: up to date for ninja
     size, digest = cpu_decode._sha256(so)
-    (folder / cpu_decode.RECORD_NAME).write_text(json.dumps({"size": size, "sha256": digest}))
+    (folder / cpu_decode.record_name(LEVEL)).write_text(json.dumps({"size": size, "sha256": digest}))
     for f in (folder.parent, folder):
         os.chown(f, NOBODY, NOBODY)
         f.chmod(0o777)
@@ -126,27 +128,27 @@ def test_a_truncated_kernel_is_rebuilt_not_loaded(built, tmp_path):
     with a bus error: now its size and sha256 are not its build's record, so
     it is rebuilt (the warning says why), then loaded."""
     cache, folder = copy_of(built, tmp_path)
-    so = folder / cpu_decode.SO_NAME
+    so = folder / cpu_decode.so_name(LEVEL)
     whole = so.stat().st_size
     with open(so, "r+b") as f:
         f.truncate(whole // 3)
     answer, log, _ = start(cache)
     assert answer["file"] == str(so), (answer, log)
     assert re.search(rf"WARNING .*{re.escape(str(so))} is {whole // 3} bytes, {whole} when built; rebuilding", log)
-    assert cpu_decode.so_problem(folder) is None and so.stat().st_size == whole
+    assert cpu_decode.so_problem(folder, LEVEL) is None and so.stat().st_size == whole
 
 
 def test_a_damaged_kernel_of_the_same_size_or_without_record_is_not_loadable(built, tmp_path):
     _, folder = copy_of(built, tmp_path)
-    so = folder / cpu_decode.SO_NAME
+    so = folder / cpu_decode.so_name(LEVEL)
     with open(so, "r+b") as f:
         f.seek(so.stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert cpu_decode.so_problem(folder) == f"{so}'s sha256 is not its build's"
-    (folder / cpu_decode.RECORD_NAME).unlink()
-    assert "has no record of its build" in cpu_decode.so_problem(folder)
+    assert cpu_decode.so_problem(folder, LEVEL) == f"{so}'s sha256 is not its build's"
+    (folder / cpu_decode.record_name(LEVEL)).unlink()
+    assert "has no record of its build" in cpu_decode.so_problem(folder, LEVEL)
 
 
 def dead_pid() -> int:
@@ -163,7 +165,7 @@ def test_a_lock_left_by_a_killed_build_is_taken_over_within_a_bound(built, tmp_p
     (folder / "lock").write_text("")  # torch.utils.cpp_extension's baton
     (folder / cpu_decode.LOCK_NAME).write_text(f"{dead_pid()} {time.time() - 5:.3f}\n")
     answer, log, took = start(cache, timeout=90)
-    assert answer["file"] == str(folder / cpu_decode.SO_NAME), (answer, log)
+    assert answer["file"] == str(folder / cpu_decode.so_name(LEVEL)), (answer, log)
     assert took < 60, took
 
 
