@@ -29,9 +29,10 @@ PROMPTS = 10
 MAX_TOKENS = 32
 CONTEXT_TOKENS = 320  # prompt + completion: short prompts keep the test fast
 # Logits of the same position from a 1-row decode pass and a 1+k-row verify
-# pass differed by at most ~2e-5 at fp32 (measured: 48 held-out line starts,
-# click's sources); the plain decode's smallest top-2 gaps there were 1.1e-3
-# and 1.5e-3, and those did not flip. 1e-3 is 50x the noise.
+# pass differed by at most 1.0e-5 at fp32 (measured: 48 held-out line starts
+# of click's sources, 765 positions; the prefill's rows were bit-identical);
+# a plain top-2 gap of 6.7e-6 there did not flip. 1e-3 is 100x the noise,
+# and a wrong token is far off (a draft kept past the argmax: 6.2).
 NEAR_TIE = 1e-3
 # Speculation forced on: 4 drafts a step from the first source that offers them.
 ALWAYS = SpecConfig(adaptive=False, k_init=4, k_max=4)
