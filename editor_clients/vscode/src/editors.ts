@@ -1,5 +1,6 @@
 // What the editors tell the extension: edits and editor switches (for the
-// context), a document that became active (primed), accepts of a suggestion
+// context), keystrokes (their request sent at once, keystroke.ts), a document
+// that became active (primed), accepts of a suggestion
 // (credited, then the next line fetched), cursor moves off it (dismissed).
 
 import * as vscode from 'vscode';
@@ -7,6 +8,7 @@ import * as vscode from 'vscode';
 import type { Settings } from './config';
 import type { ContextCollector, ContextDocument } from './context';
 import type { Definitions } from './definitions';
+import { typedCursor } from './keystroke';
 import type { Prefetcher } from './prefetch';
 import { ACCEPTED_COMMAND, CompleterProvider, documentText, textSource } from './provider';
 
@@ -141,6 +143,13 @@ export function watchEditors({ provider, prefetch, context, definitions, setting
         const text = e.document.lineAt(e.contentChanges[0].range.start.line).text;
         if (/^\s*(from|import)\s/.test(text) || e.contentChanges.some((c) => c.text.includes('\n'))) {
           lookUp(e.document);
+        }
+        // After the context took the edit in: what the request sent now carries is what the provider's would.
+        const cursor = typedCursor(e);
+        if (cursor === undefined) {
+          provider.early.typedIn(e.document.uri.toString());
+        } else {
+          provider.requestAtKeystroke(e.document, cursor, e.contentChanges[0].range);
         }
       }
     }),
