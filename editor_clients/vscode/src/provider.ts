@@ -295,7 +295,8 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     }
     const doc = documentText(document);
     const place: Place = { uri, prefix: doc.text.slice(0, cursor), suffix: doc.text.slice(cursor) };
-    if ((this.tracker.current && this.tracker.match(textSource(document), cursor))
+    const through = this.tracker.current ? this.tracker.match(textSource(document), cursor) : undefined;
+    if (through?.alive.some((a) => a.text.length > through.n) // typed through, a rest to show (typed to its end: asked)
       || prefetch.speculationAt(doc, cursor) || prefetch.speculationFor(place) || cache.get(place)) {
       return;
     }

@@ -10,7 +10,9 @@ import { after, afterEach, before, describe, it } from 'node:test';
 
 import { fake, InlineCompletionTriggerKind, Selection } from './fake-vscode';
 import { Msg, Server, waitFor } from './server';
-import { closeSession, completes, feedbackFor, PROMPTS, start as startOn, wire } from './session';
+import {
+  closeSession, completes, feedbackFor, insertedAt, PROMPTS, start as startOn, suggestion, wire,
+} from './session';
 
 const TOKEN = 'vscode-keystroke-test-token';
 let server: Server;
@@ -71,6 +73,20 @@ describe('the request sent at the keystroke', () => {
     await automatic();
     assert.equal(completes(s).length, 4, 'another version: its own request');
     assert.equal(prefix(completes(s)[3]), prefix(third));
+  });
+
+  it('none while typing through a suggestion; typed to its end, the next one is asked for at the keystroke', async () => {
+    const s = await start();
+    const shown = await suggestion(s, (t) => t.length >= 2 && t.length <= 40 && !/[\r\n]/.test(t), 'through');
+    const requests = completes(s).length;
+    for (const ch of shown.text.slice(0, -1)) {
+      const [rest] = await Promise.all(fake.type(ch));
+      assert.ok(rest?.[0]?.insertText, 'the rest shown');
+    }
+    assert.equal(completes(s).length, requests, 'typing through: no request');
+    fake.insertAtCursor(shown.editor, shown.text.slice(-1));
+    assert.equal(completes(s).length, requests + 1, 'its last character: the next suggestion asked for at once');
+    assert.equal(prefix(completes(s).at(-1)), insertedAt(shown, shown.text).slice(0, shown.cursor + shown.text.length));
   });
 
   it('not for what is not typing at the cursor, nor where the provider would not ask', async () => {
