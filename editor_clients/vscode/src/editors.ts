@@ -8,9 +8,10 @@ import * as vscode from 'vscode';
 import type { Settings } from './config';
 import type { ContextCollector, ContextDocument } from './context';
 import type { Definitions } from './definitions';
+import { documentText, textSource } from './documents';
 import { typedCursor } from './keystroke';
 import type { Prefetcher } from './prefetch';
-import { ACCEPTED_COMMAND, CompleterProvider, documentText, textSource } from './provider';
+import { ACCEPTED_COMMAND, CompleterProvider } from './provider';
 
 /** Documents worth reading as context or priming (not output panes, git views, settings). */
 const DOCUMENT_SCHEMES = new Set(['file', 'untitled', 'vscode-remote', 'vscode-notebook-cell']);

@@ -3,10 +3,10 @@
 // first: the one on screen typed through, the next line fetched after an
 // accept, the cache, then the request sent at the keystroke that left the
 // document so (keystroke.ts), and only then a request (debounced), whose
-// answer is shown with its alternatives (`done.candidates`) to cycle through. While the
-// suggest widget is open, the document is taken as if its selected item were
-// inserted, and what is offered starts with that item (VS Code shows only a
-// suggestion that extends it).
+// answer is shown with its alternatives (`done.candidates`) to cycle
+// through. While the suggest widget is open, the document is taken as if its
+// selected item were inserted, and what is offered starts with that item
+// (VS Code shows only a suggestion that extends it).
 
 import * as vscode from 'vscode';
 
@@ -16,13 +16,14 @@ import type { Settings } from './config';
 import type { ContextCollector } from './context';
 import type { Definitions } from './definitions';
 import { AdaptiveDebounce } from './debounce';
-import { Answer, EarlyRequests } from './keystroke';
+import { asIfSelected, AsIfSelected, documentText, lineOf, sleep, textSource, unlessCancelled } from './documents';
 import type { FeedbackLedger } from './feedback';
+import { Answer, EarlyRequests } from './keystroke';
 import type { DocumentText, Prefetcher, Speculation } from './prefetch';
 import type { PrivacyFilter } from './privacy';
 import type { Stats } from './stats';
 import { documentAt, modeAt } from './text';
-import { Alternative, alternativesOf, FinishHow, Shown, ShownTracker, TextSource } from './tracker';
+import { Alternative, alternativesOf, FinishHow, Shown, ShownTracker } from './tracker';
 
 /** The URI schemes the provider is registered for (extension.ts). */
 export const PROVIDED_SCHEMES = ['file', 'untitled', 'vscode-remote'];
@@ -30,79 +31,6 @@ export const PROVIDED_SCHEMES = ['file', 'untitled', 'vscode-remote'];
 export const ACCEPTED_COMMAND = 'completer.accepted';
 /** Context key: one of our suggestions is on screen (keybindings use it). */
 export const VISIBLE_CONTEXT = 'completer.suggestionVisible';
-
-export function textSource(doc: vscode.TextDocument): TextSource {
-  return {
-    uri: doc.uri.toString(),
-    text: (start, end) => (end <= start ? '' : doc.getText(new vscode.Range(doc.positionAt(Math.max(0, start)), doc.positionAt(end)))),
-  };
-}
-
-export function documentText(doc: vscode.TextDocument): DocumentText {
-  return { uri: doc.uri.toString(), languageId: doc.languageId, version: doc.version, text: doc.getText() };
-}
-
-/** Resolves true after `ms`, false as soon as `token` is cancelled. */
-function sleep(ms: number, token: vscode.CancellationToken): Promise<boolean> {
-  if (token.isCancellationRequested) {
-    return Promise.resolve(false);
-  }
-  if (ms <= 0) {
-    return Promise.resolve(true);
-  }
-  return new Promise((resolve) => {
-    const timer = setTimeout(() => {
-      sub.dispose();
-      resolve(true);
-    }, ms);
-    const sub = token.onCancellationRequested(() => {
-      clearTimeout(timer);
-      sub.dispose();
-      resolve(false);
-    });
-  });
-}
-
-/** `promise`'s value, or undefined as soon as `token` is cancelled. */
-function unlessCancelled<T>(promise: Promise<T>, token: vscode.CancellationToken): Promise<T | undefined> {
-  return new Promise((resolve) => {
-    const sub = token.onCancellationRequested(() => resolve(undefined));
-    void promise.then((v) => {
-      sub.dispose();
-      resolve(v);
-    });
-  });
-}
-
-/**
- * The document as if the suggest widget's selected item were inserted: its
- * text replacing its range, the cursor after it. What the provider asks for
- * and caches there; what it offers is the item's text and the completion,
- * over the item's range.
- */
-export interface AsIfSelected {
-  range: vscode.Range;
-  /** The selected item's text (what it inserts). */
-  head: string;
-  doc: DocumentText;
-  cursor: number;
-  source: TextSource;
-}
-
-export function asIfSelected(document: vscode.TextDocument, position: vscode.Position,
-  selected: vscode.SelectedCompletionInfo): AsIfSelected | undefined {
-  const doc = documentText(document);
-  const start = document.offsetAt(selected.range.start);
-  const end = document.offsetAt(selected.range.end);
-  if (end < document.offsetAt(position) || start > end) {
-    return undefined; // an item that would leave the cursor where it is not: nothing to extend
-  }
-  const text = doc.text.slice(0, start) + selected.text + doc.text.slice(end);
-  return {
-    range: selected.range, head: selected.text, doc: { ...doc, text }, cursor: start + selected.text.length,
-    source: { uri: doc.uri, text: (a, b) => (b <= a ? '' : text.slice(Math.max(0, a), b)) },
-  };
-}
 
 /** The parts the provider works with (built and wired by extension.ts). */
 export interface ProviderParts {
@@ -374,13 +302,4 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     return alternatives.map((a) => new vscode.InlineCompletionItem(a.text, range,
       { title: 'completer: accepted', command: ACCEPTED_COMMAND, arguments: [id, a.index] }));
   }
-}
-
-/** The 0-based line of offset `cursor`. */
-export function lineOf(text: string, cursor: number): number {
-  let line = 0;
-  for (let i = text.indexOf('\n'); i >= 0 && i < cursor; i = text.indexOf('\n', i + 1)) {
-    line += 1;
-  }
-  return line;
 }
