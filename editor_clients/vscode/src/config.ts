@@ -30,6 +30,8 @@ export interface Settings {
   prime: boolean;
   /** Ask for the next line right after a whole suggestion is accepted. */
   speculate: boolean;
+  /** Send a typed character's request at the keystroke, not when VS Code asks the provider (50 ms later). */
+  requestOnKeystroke: boolean;
 }
 
 export const SECTION = 'completer';
@@ -70,5 +72,6 @@ export function readSettings(): Settings {
     candidates: Math.round(num('candidates', 1, 1, 4)),
     prime: bool('prime', true),
     speculate: bool('speculate', true),
+    requestOnKeystroke: bool('requestOnKeystroke', true),
   };
 }

@@ -1,5 +1,6 @@
 // What the editors tell the extension: edits and editor switches (for the
-// context), a document that became active (primed), accepts of a suggestion
+// context), keystrokes (their request sent at once, keystroke.ts), a document
+// that became active (primed), accepts of a suggestion
 // (credited, then the next line fetched), cursor moves off it (dismissed).
 
 import * as vscode from 'vscode';
@@ -7,8 +8,10 @@ import * as vscode from 'vscode';
 import type { Settings } from './config';
 import type { ContextCollector, ContextDocument } from './context';
 import type { Definitions } from './definitions';
+import { documentText, textSource } from './documents';
+import { typedCursor } from './keystroke';
 import type { Prefetcher } from './prefetch';
-import { ACCEPTED_COMMAND, CompleterProvider, documentText, textSource } from './provider';
+import { ACCEPTED_COMMAND, CompleterProvider } from './provider';
 
 /** Documents worth reading as context or priming (not output panes, git views, settings). */
 const DOCUMENT_SCHEMES = new Set(['file', 'untitled', 'vscode-remote', 'vscode-notebook-cell']);
@@ -141,6 +144,13 @@ export function watchEditors({ provider, prefetch, context, definitions, setting
         const text = e.document.lineAt(e.contentChanges[0].range.start.line).text;
         if (/^\s*(from|import)\s/.test(text) || e.contentChanges.some((c) => c.text.includes('\n'))) {
           lookUp(e.document);
+        }
+        // After the context took the edit in: what the request sent now carries is what the provider's would.
+        const cursor = typedCursor(e);
+        if (cursor === undefined) {
+          provider.early.typedIn(e.document.uri.toString());
+        } else {
+          provider.requestAtKeystroke(e.document, cursor, e.contentChanges[0].range);
         }
       }
     }),

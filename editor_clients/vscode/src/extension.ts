@@ -13,7 +13,7 @@ import { watchEditors } from './editors';
 import { FeedbackLedger } from './feedback';
 import { Prefetcher } from './prefetch';
 import { PrivacyFilter } from './privacy';
-import { CompleterProvider, VISIBLE_CONTEXT } from './provider';
+import { CompleterProvider, PROVIDED_SCHEMES, VISIBLE_CONTEXT } from './provider';
 import { SET_TOKEN_COMMAND, TokenStore } from './secrets';
 import { Stats } from './stats';
 import { STATS_COMMAND, StatusBar } from './status';
@@ -169,6 +169,9 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
       provider.tracker.finish('dismissed');
       client.stop();
     }
+    if (!settings.enabled || !settings.requestOnKeystroke) {
+      provider.early.drop();
+    }
     refresh();
   };
 
@@ -191,7 +194,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<Comple
 
   context.subscriptions.push(
     vscode.languages.registerInlineCompletionItemProvider(
-      [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-remote' }], provider),
+      PROVIDED_SCHEMES.map((scheme) => ({ scheme })), provider),
     ...editors.subscriptions,
     vscode.commands.registerCommand('completer.toggle', async () => {
       await vscode.workspace.getConfiguration(SECTION).update('enabled', !settings.enabled, vscode.ConfigurationTarget.Global);

@@ -1,11 +1,12 @@
 // The inline completion provider: what may be completed (settings, privacy,
 // no selection or multi-cursor), then the cheapest source of a suggestion
 // first: the one on screen typed through, the next line fetched after an
-// accept, the cache, and only then a request (debounced), whose answer is
-// shown with its alternatives (`done.candidates`) to cycle through. While the
-// suggest widget is open, the document is taken as if its selected item were
-// inserted, and what is offered starts with that item (VS Code shows only a
-// suggestion that extends it).
+// accept, the cache, then the request sent at the keystroke that left the
+// document so (keystroke.ts), and only then a request (debounced), whose
+// answer is shown with its alternatives (`done.candidates`) to cycle
+// through. While the suggest widget is open, the document is taken as if its
+// selected item were inserted, and what is offered starts with that item
+// (VS Code shows only a suggestion that extends it).
 
 import * as vscode from 'vscode';
 
@@ -15,90 +16,21 @@ import type { Settings } from './config';
 import type { ContextCollector } from './context';
 import type { Definitions } from './definitions';
 import { AdaptiveDebounce } from './debounce';
+import { asIfSelected, AsIfSelected, documentText, lineOf, sleep, textSource, unlessCancelled } from './documents';
 import type { FeedbackLedger } from './feedback';
+import { Answer, EarlyRequests } from './keystroke';
 import type { DocumentText, Prefetcher, Speculation } from './prefetch';
 import type { PrivacyFilter } from './privacy';
 import type { Stats } from './stats';
 import { documentAt, modeAt } from './text';
-import { Alternative, alternativesOf, FinishHow, Shown, ShownTracker, TextSource } from './tracker';
+import { Alternative, alternativesOf, FinishHow, Shown, ShownTracker } from './tracker';
 
+/** The URI schemes the provider is registered for (extension.ts). */
+export const PROVIDED_SCHEMES = ['file', 'untitled', 'vscode-remote'];
 /** Run by VS Code after a whole suggestion is accepted (the item's command; arguments: id, alternative). */
 export const ACCEPTED_COMMAND = 'completer.accepted';
 /** Context key: one of our suggestions is on screen (keybindings use it). */
 export const VISIBLE_CONTEXT = 'completer.suggestionVisible';
-
-export function textSource(doc: vscode.TextDocument): TextSource {
-  return {
-    uri: doc.uri.toString(),
-    text: (start, end) => (end <= start ? '' : doc.getText(new vscode.Range(doc.positionAt(Math.max(0, start)), doc.positionAt(end)))),
-  };
-}
-
-export function documentText(doc: vscode.TextDocument): DocumentText {
-  return { uri: doc.uri.toString(), languageId: doc.languageId, version: doc.version, text: doc.getText() };
-}
-
-/** Resolves true after `ms`, false as soon as `token` is cancelled. */
-function sleep(ms: number, token: vscode.CancellationToken): Promise<boolean> {
-  if (token.isCancellationRequested) {
-    return Promise.resolve(false);
-  }
-  if (ms <= 0) {
-    return Promise.resolve(true);
-  }
-  return new Promise((resolve) => {
-    const timer = setTimeout(() => {
-      sub.dispose();
-      resolve(true);
-    }, ms);
-    const sub = token.onCancellationRequested(() => {
-      clearTimeout(timer);
-      sub.dispose();
-      resolve(false);
-    });
-  });
-}
-
-/** `promise`'s value, or undefined as soon as `token` is cancelled. */
-function unlessCancelled<T>(promise: Promise<T>, token: vscode.CancellationToken): Promise<T | undefined> {
-  return new Promise((resolve) => {
-    const sub = token.onCancellationRequested(() => resolve(undefined));
-    void promise.then((v) => {
-      sub.dispose();
-      resolve(v);
-    });
-  });
-}
-
-/**
- * The document as if the suggest widget's selected item were inserted: its
- * text replacing its range, the cursor after it. What the provider asks for
- * and caches there; what it offers is the item's text and the completion,
- * over the item's range.
- */
-export interface AsIfSelected {
-  range: vscode.Range;
-  /** The selected item's text (what it inserts). */
-  head: string;
-  doc: DocumentText;
-  cursor: number;
-  source: TextSource;
-}
-
-export function asIfSelected(document: vscode.TextDocument, position: vscode.Position,
-  selected: vscode.SelectedCompletionInfo): AsIfSelected | undefined {
-  const doc = documentText(document);
-  const start = document.offsetAt(selected.range.start);
-  const end = document.offsetAt(selected.range.end);
-  if (end < document.offsetAt(position) || start > end) {
-    return undefined; // an item that would leave the cursor where it is not: nothing to extend
-  }
-  const text = doc.text.slice(0, start) + selected.text + doc.text.slice(end);
-  return {
-    range: selected.range, head: selected.text, doc: { ...doc, text }, cursor: start + selected.text.length,
-    source: { uri: doc.uri, text: (a, b) => (b <= a ? '' : text.slice(Math.max(0, a), b)) },
-  };
-}
 
 /** The parts the provider works with (built and wired by extension.ts). */
 export interface ProviderParts {
@@ -120,6 +52,12 @@ export interface ProviderParts {
 export class CompleterProvider implements vscode.InlineCompletionItemProvider {
   readonly tracker: ShownTracker;
   readonly debounce: AdaptiveDebounce;
+  /** The request sent at the last keystroke, for the provider's call that follows it. */
+  readonly early = new EarlyRequests((r) => void r.answer.then((end) => {
+    if (end && !end.kept) {
+      this.parts.feedback.dropped(end.id);
+    }
+  }));
   /** Set while our partial-accept command runs: document growth then counts as accepted, not typed. */
   accepting = false;
 
@@ -183,6 +121,11 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       const next = await unlessCancelled(ahead.result, token);
       return next && document.version === doc.version ? this.show(next.id, next.alternatives, document, position) : undefined;
     }
+    const early = asIf || context.triggerKind !== vscode.InlineCompletionTriggerKind.Automatic ? undefined
+      : this.early.take(doc.uri, doc.version, cursor);
+    if (early) { // sent at the keystroke that left the document so
+      return this.answer(early.pending, early.answer, doc, document, position, token);
+    }
     if (!client.connected) {
       stats.skippedOffline += 1;
       return undefined; // quiet: the status bar says why
@@ -225,17 +168,17 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     return params;
   }
 
-  private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
-    token: vscode.CancellationToken, asIf?: AsIfSelected, asked = false,
-  ): Promise<vscode.InlineCompletionItem[] | undefined> {
-    const { client, stats, cache, feedback } = this.parts;
-    let pending: PendingCompletion;
+  /** Send the request for `place` of `doc`; undefined when the connection is down. */
+  private send(doc: DocumentText, place: Place, asked: boolean): PendingCompletion | undefined {
+    const { client, stats } = this.parts;
+    const params = this.params(doc, place.prefix.length);
+    if (asked) {
+      params.min_first_prob = 0; // the user asked (Trigger Inline Suggestion): show something, sure or not
+    }
     try {
-      const params = this.params(doc, place.prefix.length);
-      if (asked) {
-        params.min_first_prob = 0; // the user asked (Trigger Inline Suggestion): show something, sure or not
-      }
-      pending = client.complete(params);
+      const pending = client.complete(params);
+      stats.request();
+      return pending;
     } catch (e) {
       if (e instanceof NotConnectedError) {
         stats.skippedOffline += 1;
@@ -243,28 +186,79 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
       }
       throw e;
     }
-    stats.request();
-    const sub = token.onCancellationRequested(() => pending.cancel());
-    const result = await pending.result.finally(() => {
-      sub.dispose();
-    });
-    const ended = result.reason === 'stop' || result.reason === 'length' || result.reason === 'eos' || result.reason === 'deadline';
+  }
+
+  /** The end of a request for `place`: the server's hold noted, the completions cached. */
+  private async settle(pending: PendingCompletion, place: Place): Promise<Answer | undefined> {
+    const result = await pending.result;
     if (result.holdMs !== undefined) {
       this.debounce.hold(result.holdMs, Date.now());
     }
+    const ended = result.reason === 'stop' || result.reason === 'length' || result.reason === 'eos' || result.reason === 'deadline';
     const alternatives = ended ? alternativesOf([result.text, ...result.candidates]) : [];
     if (alternatives.length === 0) {
       return undefined;
     }
     // Kept even when too late to show: the user may come back to this place.
-    const kept = cache.put(place, { id: result.id, alternatives });
+    return { id: result.id, alternatives, kept: this.parts.cache.put(place, { id: result.id, alternatives }) };
+  }
+
+  /**
+   * A keystroke left `document` with the cursor at `cursor` (keystroke.ts):
+   * the request the provider's call for this state would send, sent now,
+   * when that call would send one (no suggestion typed through, no next line
+   * fetched, no cached place) and at once (no hold from the server).
+   */
+  requestAtKeystroke(document: vscode.TextDocument, cursor: number, changed: vscode.Range): void {
+    const { client, settings, cache, prefetch } = this.parts;
+    const uri = document.uri.toString();
+    this.early.typedIn(uri);
+    const editor = vscode.window.activeTextEditor;
+    // The active editor's one cursor, where the edit was (as it was before it, or after it): typed there.
+    const at = editor?.selections.length === 1 && editor.selection.isEmpty ? editor.selection.active : undefined;
+    if (!settings().requestOnKeystroke || !PROVIDED_SCHEMES.includes(document.uri.scheme) || !this.allows(document)
+      || editor?.document !== document || !at || ![changed.start, changed.end, document.positionAt(cursor)].some((p) => p.isEqual(at))
+      || this.accepting || !client.connected || this.debounce.delayMs(Date.now()) > 0) {
+      return;
+    }
+    const doc = documentText(document);
+    const place: Place = { uri, prefix: doc.text.slice(0, cursor), suffix: doc.text.slice(cursor) };
+    const through = this.tracker.current ? this.tracker.match(textSource(document), cursor) : undefined;
+    if (through?.alive.some((a) => a.text.length > through.n) // typed through, a rest to show (typed to its end: asked)
+      || prefetch.speculationAt(doc, cursor) || prefetch.speculationFor(place) || cache.get(place)) {
+      return;
+    }
+    const pending = this.send(doc, place, false);
+    if (pending) {
+      this.early.sent({ uri, version: doc.version, cursor, place, pending, answer: this.settle(pending, place) });
+    }
+  }
+
+  private async request(doc: DocumentText, place: Place, document: vscode.TextDocument, position: vscode.Position,
+    token: vscode.CancellationToken, asIf?: AsIfSelected, asked = false,
+  ): Promise<vscode.InlineCompletionItem[] | undefined> {
+    const pending = this.send(doc, place, asked);
+    return pending && this.answer(pending, this.settle(pending, place), doc, document, position, token, asIf);
+  }
+
+  /** Show the answer of `pending` if the document is still as it was asked for; cancelled with `token`. */
+  private async answer(pending: PendingCompletion, answer: Promise<Answer | undefined>, doc: DocumentText,
+    document: vscode.TextDocument, position: vscode.Position, token: vscode.CancellationToken, asIf?: AsIfSelected,
+  ): Promise<vscode.InlineCompletionItem[] | undefined> {
+    const sub = token.onCancellationRequested(() => pending.cancel());
+    const end = await answer.finally(() => {
+      sub.dispose();
+    });
+    if (!end) {
+      return undefined;
+    }
     if (token.isCancellationRequested || document.version !== doc.version) {
-      if (!kept) {
-        feedback.dropped(result.id);
+      if (!end.kept) {
+        this.parts.feedback.dropped(end.id);
       }
       return undefined;
     }
-    return this.show(result.id, alternatives, document, position, 0, asIf);
+    return this.show(end.id, end.alternatives, document, position, 0, asIf);
   }
 
   /** Right after a whole accept at the end of a line: the next line, with the line break Enter would insert. */
@@ -308,13 +302,4 @@ export class CompleterProvider implements vscode.InlineCompletionItemProvider {
     return alternatives.map((a) => new vscode.InlineCompletionItem(a.text, range,
       { title: 'completer: accepted', command: ACCEPTED_COMMAND, arguments: [id, a.index] }));
   }
-}
-
-/** The 0-based line of offset `cursor`. */
-export function lineOf(text: string, cursor: number): number {
-  let line = 0;
-  for (let i = text.indexOf('\n'); i >= 0 && i < cursor; i = text.indexOf('\n', i + 1)) {
-    line += 1;
-  }
-  return line;
 }

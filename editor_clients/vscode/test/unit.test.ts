@@ -1,6 +1,7 @@
 // The pure parts: mode choice, bounds, nearby text, debounce, the token, the
 // shown-suggestion tracker and its counts, the cache, privacy, the context,
-// liveness on a fake clock.
+// liveness on a fake clock, which edits are keystrokes and the request sent
+// at one matched to the provider's call.
 
 import assert from 'node:assert/strict';
 import * as fs from 'node:fs';
@@ -12,6 +13,7 @@ import { CachedCompletion, CompletionCache } from '../src/cache';
 import { ContextCollector, ContextDocument } from '../src/context';
 import { AdaptiveDebounce } from '../src/debounce';
 import { Definitions, importPositions } from '../src/definitions';
+import { EarlyRequest, EarlyRequests, typedCursor } from '../src/keystroke';
 import { Liveness } from '../src/liveness';
 import { PrivacyFilter, uriPath } from '../src/privacy';
 import { codePoints, codePointsBetween } from '../src/protocol';
@@ -77,6 +79,60 @@ describe('AdaptiveDebounce', () => {
     assert.equal(d.delayMs(6000), 300, 'clamped to max');
     assert.equal(new AdaptiveDebounce({ minMs: 10, maxMs: 100 }).delayMs(0), 10, 'never under the minimum');
     assert.equal(new AdaptiveDebounce({ minMs: 150, maxMs: 150 }).delayMs(0), 150, 'min = max: a fixed wait');
+  });
+});
+
+describe('typedCursor: which edits are a keystroke at one cursor', () => {
+  const edit = (rangeOffset: number, rangeLength: number, text: string) => ({ rangeOffset, rangeLength, text });
+  it('an insertion without a line break puts the cursor after it; a deletion within a line where it began', () => {
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'x')] }), 11);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'é😀')] }), 13);
+    assert.equal(typedCursor({ contentChanges: [edit(9, 1, '')] }), 9);
+  });
+  it('not undo or redo, several changes, a line break, or text typed over a selection', () => {
+    assert.equal(typedCursor({ contentChanges: [edit(9, 1, '')], reason: 1 }), undefined);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'x')], reason: 2 }), undefined);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'x'), edit(20, 0, 'x')] }), undefined);
+    assert.equal(typedCursor({ contentChanges: [] }), undefined);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, '\n    ')] }), undefined);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'a\r\nb')] }), undefined);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 3, 'x')] }), undefined);
+  });
+});
+
+describe('EarlyRequests: the request sent at a keystroke, for the provider\'s call', () => {
+  const cancelled: string[] = [];
+  const request = (id: string, uri: string, version: number, cursor: number): EarlyRequest => ({
+    uri, version, cursor, place: { uri, prefix: '', suffix: '' },
+    pending: { id, result: new Promise(() => undefined), cancel: () => cancelled.push(id) },
+    answer: Promise.resolve(undefined),
+  });
+  it('is taken once, by a call for the same document, version and cursor', () => {
+    const early = new EarlyRequests();
+    const a = request('1', 'file:///a.py', 7, 42);
+    early.sent(a);
+    assert.equal(early.take('file:///a.py', 7, 41), undefined, 'another cursor');
+    assert.equal(early.take('file:///a.py', 8, 42), undefined, 'another version');
+    assert.equal(early.take('file:///b.py', 7, 42), undefined, 'another document');
+    assert.equal(early.take('file:///a.py', 7, 42), a);
+    assert.equal(early.take('file:///a.py', 7, 42), undefined, 'taken: the next call asks itself');
+    early.typedIn('file:///a.py');
+    assert.deepEqual(cancelled, [], 'a taken request is the call\'s, cancelled with it');
+  });
+  it('one not taken is cancelled, and reported unused, by the next keystroke there or one elsewhere', () => {
+    cancelled.length = 0;
+    const unused: string[] = [];
+    const early = new EarlyRequests((r) => unused.push(r.pending.id));
+    early.sent(request('1', 'file:///a.py', 7, 42));
+    early.typedIn('file:///b.py');
+    assert.deepEqual(cancelled, [], 'an edit in another document leaves it');
+    early.typedIn('file:///a.py');
+    assert.equal(early.take('file:///a.py', 7, 42), undefined);
+    early.sent(request('2', 'file:///a.py', 9, 43));
+    early.sent(request('3', 'file:///b.py', 1, 0));
+    early.drop();
+    assert.deepEqual(cancelled, ['1', '2', '3']);
+    assert.deepEqual(unused, ['1', '2', '3']);
   });
 });
 
