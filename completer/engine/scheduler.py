@@ -224,7 +224,7 @@ class Scheduler:
         for seq, budget in budgets:
             moved, target = seq.moved, seq.kv["target"]
             if moved is not None and target.computed == moved.at:
-                copies.append((seq, moved, self.kv.moved_slots(seq)))
+                copies.append((seq, *self.kv.moved_slots(seq)))
             for role in seq.local_roles():
                 if role == "draft" and self.defer_draft_prefill and not seq.params.priming:
                     continue

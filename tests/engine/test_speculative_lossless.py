@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from completer.config import Config, ModelSection, RequestSection
-from completer.engine.config import EngineConfig, SpecConfig
+from completer.config import EngineConfig, SpecConfig
 from completer.engine.core import EngineCore
 from completer.evaluate import heldout_files, line_starts
 from completer.loading import load_models
