@@ -43,8 +43,9 @@ class Updater:
         return self.output.events[before:]
 
     def _prefilled(self, plan: SchedulerOutput, out: PrefillOutput) -> None:
-        for seq, _, _ in plan.copies:
+        for seq, run, _ in plan.copies:
             self.kv.moved_done(seq)
+            seq.timings.moved_tokens += run.length
         for chunk, took_ms in out.chunks:
             seq = chunk.seq
             self.kv.prefilled(seq, chunk.role, chunk.n + chunk.heal)  # (the heal token is not published)

@@ -61,7 +61,7 @@ def generate(target, draft, spec: SpecConfig, reqs) -> list:
     seqs = []
     for r in reqs:
         core.add(r)
-        seqs.append(core.by_id[r.id])
+        seqs.append(core.scheduler.requests[r.id])
         while core.has_work:
             core.step()
     return seqs
