@@ -8,7 +8,7 @@ chunks (at most `prefill_chunk` tokens over all of them) and decodes; a bulk
 prompt gets a chunk of `bulk_chunk` tokens only in a step with no interactive
 prefill or decode to do (the bulk prompt with the least left first), and its
 pass stops between layers as soon as an interactive request arrives (the
-core keeps it and goes on from that layer later). So a keystroke waits
+executor keeps it and goes on from that layer later). So a keystroke waits
 behind bulk work for at most one layer of one bulk pass, except when
 interactive work has kept bulk work waiting `bulk_starve_ms`: then the
 oldest bulk prompt runs a slice of `bulk_slice_ms` however busy the engine

@@ -27,6 +27,7 @@ from completer.cpu_quant import Int4Linear, Int8Linear, int4_groups, q8_product_
 from completer.engine.attention import AttentionMetadata, PassInterrupted, TorchAttention
 from completer.config import EngineConfig, SpecConfig
 from completer.engine.fused_cpu import FusedCpuLayers, FusedUnsupported, fused_layers_for
+from completer.engine.kv_cache_manager import advance
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
@@ -436,6 +437,7 @@ def family_passes(model: Transformer, fused: FusedCpuLayers | None, schedule, se
     for lens in schedule:
         rows = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
         logits.append(runner.execute(states, rows))
+        advance(states, lens)  # (the next pass continues both rows)
     return [*logits, pool.k, pool.v]
 
 

@@ -14,6 +14,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
 
 from completer.checkpoint import CheckpointError, load_model
 from completer.engine.block_manager import BlockManager
+from completer.engine.kv_cache_manager import advance
 from completer.engine.model_runner import ModelRunner
 from completer.engine.paged_kv import KVPool
 from completer.engine.sequence import CacheState
@@ -66,8 +67,10 @@ def engine_logits(ours, prompt: torch.Tensor, steps: torch.Tensor) -> torch.Tens
     for state in states:
         blocks.grow(state.table, prompt.shape[1] + steps.shape[1])
     got = [runner.execute(states, prompt.tolist())]
+    advance(states, [prompt.shape[1]] * len(states))
     for i in range(steps.shape[1]):
         got.append(runner.execute(states, steps[:, i:i + 1].tolist()))
+        advance(states, [1] * len(states))
     return torch.cat(got, dim=1)
 
 
