@@ -267,7 +267,10 @@ def workbench(code_server_root, vsix, tmp_path):
     token_file.write_text(TOKEN + "\n")
     relay_port = free_port()
     (data / "User").mkdir(parents=True)
-    (data / "User" / "settings.json").write_text(json.dumps(USER_SETTINGS, indent=1))
+    # $COMPLETER_WORKBENCH_SETTINGS (JSON) adds user settings: a switch's effect side by side, e.g.
+    # '{"completer.requestOnKeystroke": false}' (BENCHMARKS.md's VS Code rows).
+    extra = json.loads(os.environ.get("COMPLETER_WORKBENCH_SETTINGS", "{}"))
+    (data / "User" / "settings.json").write_text(json.dumps({**USER_SETTINGS, **extra}, indent=1))
     # The extension's server URL and token file are machine-scoped settings: in a remote
     # workbench (code-server is one) VS Code reads them from the machine's settings.
     (data / "Machine").mkdir()
