@@ -52,7 +52,7 @@ class RemotePrefillConnector:
         seq.timings.prefill_reason = decision.reason
         if not decision.remote:
             return False
-        self.kv.allocate("target", [seq], [seq.tokens[state.computed:]])  # the destination, reserved first
+        self.kv.grow(seq, "target", seq.prompt_len)  # the destination, reserved first
         job = self.remote.start_job(seq.tokens, state.computed, list(state.table), seq.cache_salt)
         if job is None:  # every worker went down meanwhile; the blocks serve the local prefill
             seq.timings.prefill_reason = "no_worker"
@@ -97,8 +97,7 @@ class RemotePrefillConnector:
         """A job lost (its worker died, stalled or failed): prefill here if the
         deadline leaves time for it (True); else the request is out of time
         (False): not a fault of the server's, an outcome a deadline allows."""
-        state = seq.kv["target"]
-        self.kv.rollback(seq, "target", state.computed)  # K/V past what this side held may be partial
+        state = seq.kv["target"]  # (K/V a worker left past `computed`, maybe partial, is written over here)
         seq.timings.prefill_reason = "worker_lost"
         need_s = (seq.prompt_len - state.computed) / self.remote.local_tokens_s
         left_s = math.inf if seq.deadline is None else seq.deadline - time.perf_counter()

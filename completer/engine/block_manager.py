@@ -157,12 +157,6 @@ class BlockManager:
                 found = block
             chain.append(self.serial[found])
 
-    def truncate(self, table: list[int], num_tokens: int) -> None:
-        """Drop the blocks past `num_tokens` tokens (rejected speculation)."""
-        keep = -(-num_tokens // self.block_size)
-        self.release(table[keep:])
-        del table[keep:]
-
     def release(self, table: list[int]) -> None:
         """Drop references. Cached blocks go to the LRU's recent end; blocks
         without reusable content go to its front, to be recycled first."""

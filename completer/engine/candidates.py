@@ -7,10 +7,12 @@ the request does (greedy, or drawn at its temperature) as a sequence of its
 own in the decode batch. Its prompt is the request's, whose full blocks the
 request's prefill has just published to the prefix cache: a candidate
 prefills at most the last partial block, and then costs a row in each decode
-pass. So candidates are forked only where that is cheap: nothing waits for
-admission, the running batch stays within `engine.candidates_max_batch`, the
-blocks of their worst case fit, and the prompt's K/V is still cached in every
-pool; else fewer come back, or none.
+pass. They are built when the request chooses its first token and join
+running at the scheduler's next plan (`Scheduler.fork`, the plan's `forks`),
+only where that is cheap: nothing waits for admission, the running batch
+stays within `engine.candidates_max_batch`, the blocks of their worst case
+fit, and the prompt's target K/V is still cached; else fewer come back, or
+none.
 
 Candidates stream nothing. The request's `Finished` waits until they have
 ended and carries their texts, most likely first token first, each text once:
@@ -24,7 +26,6 @@ from collections.abc import Callable
 
 import msgspec
 
-from completer.engine.kv_cache_manager import KVCacheManager
 from completer.engine.request import Finished, FinishReason, Request
 from completer.engine.scheduler import Scheduler
 from completer.engine.sequence import CandidateGroup, Sequence, Status
@@ -33,38 +34,26 @@ CANDIDATE_ID_SEPARATOR = "\x00candidate-"  # no editor names a request so; a cla
 
 
 class Candidates:
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, max_batch: int,
-                 new_sequence: Callable[[Request], Sequence]):
+    def __init__(self, scheduler: Scheduler, new_sequence: Callable[[Request], Sequence]):
         """new_sequence: how the core builds one. Candidates join the scheduler's registry as requests do."""
-        self.kv, self.scheduler = kv, scheduler
-        self.max_batch = max_batch
+        self.scheduler = scheduler
         self.new_sequence = new_sequence
 
-    def fork(self, seq: Sequence, first_tokens: list[int]) -> None:
-        """Start `seq`'s candidates, as many as the engine can afford now.
-        first_tokens: the most likely first tokens after the one it took (healing's constraint applied)."""
-        running = self.scheduler.running
-        room = min(self.max_batch, self.scheduler.config.max_running) - len(running)
-        if seq.params.n <= 1 or room <= 0 or any(not s.request.warm for s in self.scheduler.waiting):
-            return
-        group = seq.candidates = CandidateGroup()
-        for rank, token in enumerate(first_tokens[:room], 1):
+    def build(self, seq: Sequence, first_tokens: list[int]) -> list[Sequence]:
+        """`seq`'s candidates, one per first token (the most likely after the one
+        it took, healing's constraint applied), not yet admitted: the
+        scheduler's next plan decides which join (`Scheduler.fork`)."""
+        if seq.params.n <= 1 or not first_tokens:
+            return []
+        seq.candidates = CandidateGroup()
+        candidates = []
+        for rank, token in enumerate(first_tokens, 1):
             request = msgspec.structs.replace(seq.request, id=f"{seq.id}{CANDIDATE_ID_SEPARATOR}{rank}",
                                               params=msgspec.structs.replace(seq.params, n=1))
-            if request.id in self.scheduler.requests:
-                continue
             candidate = self.new_sequence(request)
-            if not self.kv.admit(candidate, running):
-                break  # the rest would not fit either
-            # The target's K/V of the prompt left the cache: no longer cheap. (The drafter's may
-            # not be there yet: it takes the prompt in when it first drafts, spec.defer_draft_prefill.)
-            if candidate.prompt_len - candidate.kv["target"].computed > self.kv.block_size:
-                self.kv.free(candidate)
-                break
             candidate.candidate_of, candidate.candidate_rank, candidate.first_token = seq, rank, token
-            candidate.timings.queue_ms = seq.timings.queue_ms
-            self.scheduler.add_forked(candidate)
-            group.running.append(candidate)
+            candidates.append(candidate)
+        return candidates
 
     def first_ended(self, seq: Sequence, finished: Finished) -> Finished | None:
         """The request `seq` ended: its `Finished` now, or None while its candidates run."""

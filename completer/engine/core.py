@@ -78,7 +78,7 @@ class EngineCore:
             connector.bind(kv, self.target.pool, config.prefill_chunk)
         self.scheduler = Scheduler(config, kv, connector, spec.defer_draft_prefill)
         stop = set(stop_ids)
-        self.candidates = Candidates(kv, self.scheduler, config.candidates_max_batch, self._sequence)
+        self.candidates = Candidates(self.scheduler, self._sequence)
         self.output = OutputProcessor(stop, self.candidates)
         self.loop: EngineLoop | None = None  # the loop running the current step, if any
         self.sampler = Sampler(TokenHealer(tokenizer))
@@ -196,6 +196,7 @@ class EngineCore:
         their blocks return at once."""
         if (seq := self.scheduler.requests.get(request_id)) is not None:
             self.updater.finish(seq, "cancelled")
+        self.scheduler.cancel_forks(request_id)
         for candidate in self.candidates.of_ended(request_id):  # it ended, they ran on
             self.updater.finish(candidate, "cancelled")
 

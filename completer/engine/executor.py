@@ -23,9 +23,27 @@ from completer.engine.model_runner import ModelRunner, Pass
 from completer.engine.proposers import Proposal
 from completer.engine.rejection_sampler import accept_greedy, accept_sampled
 from completer.engine.sampler import Sampler, token_probs
-from completer.engine.scheduler import PrefillChunk, SchedulerOutput, padded_groups
+from completer.engine.scheduler import PrefillChunk, SchedulerOutput
 from completer.engine.sequence import Sequence
 from completer.engine.speculator import Speculator
+
+
+def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """(sequence, new tokens) chunks grouped into passes: rows of a pass are
+    padded to its longest, so a group takes chunks, shortest first, while the
+    padded size stays within twice the tokens it holds. A pass has a fixed
+    cost (every layer's weights read once), so a dozen warm keystrokes of
+    ~30 tokens cost about what two of them cost in passes of their own."""
+    groups: list[list[tuple[Sequence, int]]] = []
+    total = 0
+    for seq, n in sorted(chunks, key=lambda c: c[1]):
+        if groups and (len(groups[-1]) + 1) * n <= 2 * (total + n):
+            groups[-1].append((seq, n))
+            total += n
+        else:
+            groups.append([(seq, n)])
+            total = n
+    return groups
 
 
 class BulkPaused(Exception):
@@ -186,7 +204,7 @@ class Executor:
         proposals = self.speculator.propose(seqs)
         rows = [[s.tokens[-1]] + (proposals[s.id].tokens if s.id in proposals else []) for s in seqs]
         started = time.perf_counter()
-        self.kv.allocate("target", seqs, rows)
+        self.kv.check_room("target", seqs, rows)  # (planned: `grow_ahead`)
         logits = self.runners["target"].execute([s.kv["target"] for s in seqs], rows,
                                                 interrupted=self.interrupted if self.interrupt_superseded else None)
         out = []

@@ -110,18 +110,34 @@ class KVCacheManager:
         table, state.table, state.computed, state.chain = state.table, [], 0, []
         return table
 
-    def allocate(self, role: str, seqs: list[Sequence], rows: list[list[int]]) -> None:
-        """Blocks for each row's new tokens (within the reservation)."""
-        pool = self.pools[role]
+    def grow_ahead(self, seq: Sequence, starting: bool) -> None:
+        """Blocks for what a decoding sequence's verify step may write (vLLM's
+        lookahead slots), planned before the drafts exist: in the target its
+        last token and up to k_max drafts, in the drafter its catch-up and its
+        drafts; after the one or two first tokens this step's prefill chooses
+        when `starting`. Within the reservation; the blocks stay the
+        sequence's when drafts are rejected (`rollback`), for its next steps."""
+        ahead = len(seq.tokens) + (2 if starting else 0) + self.lookahead - 1
+        worst = seq.prompt_len + seq.params.max_tokens + self.lookahead
+        for role in seq.local_roles():
+            if not (role == "draft" and seq.drafter_far_behind()):
+                self.grow(seq, role, min(ahead, worst))
+
+    def check_room(self, role: str, seqs: list[Sequence], rows: list[list[int]]) -> None:
+        """Each row's new tokens have blocks (the plan allocated them): else the
+        pass would write them into the scratch block and read garbage back."""
         for seq, row in zip(seqs, rows):
             state = seq.kv[role]
-            pool.grow(state.table, state.computed + len(row))
+            if len(state.table) * self.block_size < state.computed + len(row):
+                raise RuntimeError(f"no blocks planned for {seq.id!r}'s {len(row)} tokens in the {role} pool")
 
     def rollback(self, seq: Sequence, role: str, computed: int) -> None:
-        """Forget K/V past `computed` tokens (rejected drafts) and their blocks."""
+        """Forget K/V past `computed` tokens (rejected drafts): the next pass
+        writes over it. The blocks stay the sequence's (as vLLM's lookahead
+        slots do): the plan allocated them for its verify steps (`grow_ahead`),
+        and K/V past `computed` is never published."""
         state = seq.kv[role]
         state.computed = min(state.computed, computed)
-        self.pools[role].truncate(state.table, state.computed)
 
     def publish(self, seq: Sequence, role: str) -> None:
         """seq.tokens[:computed] are accepted: offer their full blocks to the prefix cache.

@@ -87,7 +87,6 @@ class NgramProposer:
         return {seq.id: Proposal(self.source, seq.ngram.found[:k]) for seq, k in work}
 
 
-BULK_CATCH_UP = 256  # the longest catch-up the drafter makes for a bulk sequence
 CATCH_UP_CHUNK = 256  # tokens a row in one catch-up pass (a deadline is checked between them)
 
 
@@ -101,13 +100,7 @@ class DraftModelProposer:
         self.interrupted: Callable[[], bool] | None = None
 
     def offer(self, seq: Sequence, limit: int) -> int:
-        """Nothing for a bulk sequence whose drafter has not seen its prompt
-        (another editor's long file): its catch-up would be one pass over the
-        whole prompt, and a keystroke would wait for all of it (the n-gram
-        proposer still serves it)."""
-        if seq.bulk and seq.prompt_len - seq.kv["draft"].computed > BULK_CATCH_UP:
-            return 0
-        return limit
+        return 0 if seq.drafter_far_behind() else limit
 
     def _catch_up(self, seqs: list[Sequence], rows: dict[str, list[int]]) -> list[Sequence]:
         """Feed the drafter what it has not seen in passes of at most
@@ -118,7 +111,7 @@ class DraftModelProposer:
         while long := [s for s in seqs if len(rows[s.id]) > CATCH_UP_CHUNK]:
             started = time.perf_counter()
             batch = [rows[s.id][:CATCH_UP_CHUNK] for s in long]
-            self.kv.allocate("draft", long, batch)
+            self.kv.check_room("draft", long, batch)
             self.runner.execute([s.kv["draft"] for s in long], batch, last_only=True, interrupted=self.interrupted)
             advance([s.kv["draft"] for s in long], map(len, batch))
             took = time.perf_counter() - started
@@ -139,7 +132,7 @@ class DraftModelProposer:
         while active:
             started = time.perf_counter()
             batch = [rows[s.id] for s in active]
-            self.kv.allocate("draft", active, batch)
+            self.kv.check_room("draft", active, batch)
             logits = self.runner.execute([s.kv["draft"] for s in active], batch, last_only=True,
                                          interrupted=self.interrupted)
             advance([s.kv["draft"] for s in active], map(len, batch))

@@ -55,36 +55,28 @@ class PrefillChunk(NamedTuple):
     heal: bool = False  # the backed-off token rides along, verified as a draft (its first token too)
 
 
+class Fork(NamedTuple):
+    """A request's candidates (`n`) that join running this step, admitted;
+    none where they would not be cheap now (`candidates.py`)."""
+    seq: Sequence
+    candidates: list[Sequence]
+
+
 class SchedulerOutput(NamedTuple):
-    """The whole step: who ends, what is prefilled where (blocks already
-    allocated), which moved K/V is copied in first, and who decodes."""
+    """The whole step: who ends, whose candidates join, what is prefilled
+    where, which moved K/V is copied in first, and who decodes. Every block
+    the step writes is allocated: the prefill chunks', the copies', and each
+    decoding sequence's verify step's (`KVCacheManager.grow_ahead`)."""
     expired: list[Sequence]  # past their deadline: finish them
     prefill: list[PrefillChunk]
     copies: list[tuple[Sequence, MovedRun, list[int]]] = []  # (sequence, its moved run, destination slots)
     # Decoding now, or from the first token this step's prefill gives them (the
     # executor leaves out those a cancel or an end took meanwhile).
     decode: list[Sequence] = []
+    forks: list[Fork] = []
     # With a starved bulk chunk (prefill holds it alone): its pass stops at this
     # perf_counter() time (else at the arrival of work that goes first).
     slice_until: float | None = None
-
-
-def padded_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-    """(sequence, new tokens) chunks grouped into passes: rows of a pass are
-    padded to its longest, so a group takes chunks, shortest first, while the
-    padded size stays within twice the tokens it holds. A pass has a fixed
-    cost (every layer's weights read once), so a dozen warm keystrokes of
-    ~30 tokens cost about what two of them cost in passes of their own."""
-    groups: list[list[tuple[Sequence, int]]] = []
-    total = 0
-    for seq, n in sorted(chunks, key=lambda c: c[1]):
-        if groups and (len(groups[-1]) + 1) * n <= 2 * (total + n):
-            groups[-1].append((seq, n))
-            total += n
-        else:
-            groups.append([(seq, n)])
-            total = n
-    return groups
 
 
 def by_turns(seqs: list[Sequence], held: Counter | None = None, key=None) -> list[Sequence]:
@@ -106,7 +98,8 @@ class Scheduler:
     running and their candidates, by id), and the one place a sequence's
     status changes: WAITING -> PREFILL (admitted; or REMOTE, a connector's
     worker prefills it, then PREFILL) -> DECODE (its first token) -> FINISHED.
-    A request's candidates (`n`) join running in PREFILL through `add_forked`."""
+    A request's candidates (`n`), asked for at its first token (`fork`),
+    join running in PREFILL at the next plan."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnector | None = None,
                  defer_draft_prefill: bool = False):
@@ -117,6 +110,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.forking: list[tuple[Sequence, list[Sequence]]] = []  # candidates asked for, by request
         self.bulk_waits_since: float | None = None  # bulk work ready and made no progress since
 
     def is_bulk(self, uncached: int, priming: bool, warm: bool = False) -> bool:
@@ -129,7 +123,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forking)
 
     @property
     def queue_full(self) -> bool:
@@ -149,11 +143,48 @@ class Scheduler:
         self.waiting.append(seq)
         self.requests[seq.id] = seq
 
-    def add_forked(self, seq: Sequence) -> None:
-        """A candidate forked from a running request (its blocks already admitted)."""
-        seq.status = Status.PREFILL
-        self.running.append(seq)
-        self.requests[seq.id] = seq
+    def fork(self, seq: Sequence, candidates: list[Sequence]) -> None:
+        """`seq` chose its first token: its candidates ask to join (the next plan decides)."""
+        self.forking.append((seq, candidates))
+
+    def _fork(self) -> list[Fork]:
+        """The candidates asked for join where that is cheap: room in the batch
+        (`candidates_max_batch`), no request waiting to be admitted, their
+        worst case fits beside the running, and the prompt's target K/V still
+        cached (a candidate prefills at most its last partial block)."""
+        forks, self.forking = self.forking, []
+        return [Fork(seq, self._join(seq, candidates)) for seq, candidates in forks]
+
+    def _join(self, seq: Sequence, candidates: list[Sequence]) -> list[Sequence]:
+        group, joined = seq.candidates, []
+        group.forking = False
+        if not group.wanted or (seq.status is Status.FINISHED and group.first is None) \
+                or any(not s.request.warm for s in self.waiting):  # (no `first`: it failed)
+            return joined
+        room = min(self.config.candidates_max_batch, self.config.max_running) - len(self.running)
+        for candidate in candidates:
+            if len(joined) >= room:
+                break
+            if candidate.id in self.requests:
+                continue  # (no editor names a request so; one that did keeps its name)
+            if not self.kv.admit(candidate, self.running):
+                break  # the rest would not fit either
+            if candidate.prompt_len - candidate.kv["target"].computed > self.kv.block_size:
+                self.kv.free(candidate)  # the target's K/V of the prompt left the cache: no longer cheap
+                break
+            candidate.status = Status.PREFILL
+            candidate.timings.queue_ms = seq.timings.queue_ms
+            self.running.append(candidate)
+            self.requests[candidate.id] = candidate
+            group.running.append(candidate)
+            joined.append(candidate)
+        return joined
+
+    def cancel_forks(self, request_id: str) -> None:
+        """A request that ended is cancelled before its candidates joined: they never will."""
+        for seq, _ in self.forking:
+            if seq.id == request_id:
+                seq.candidates.cancelled = True
 
     def start_decoding(self, seq: Sequence) -> None:
         seq.status = Status.DECODE
@@ -181,6 +212,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         expired = self.expire(now)
+        forks = self._fork()
         self._admit(now)
         budget, prefill = self.config.prefill_chunk, []
         ready = [s for s in self.running if s.status in (Status.PREFILL, Status.REMOTE) and s.prefill_left
@@ -190,9 +222,8 @@ class Scheduler:
                 break
             prefill.append((seq, budget))  # the drafter keeps pace within the same budget
             budget -= min(budget, seq.prefill_left)
-        if prefill:
-            return self._plan(expired, prefill)
-        return self._bulk_plan(now, expired)
+        plan = self._plan(expired, prefill) if prefill else self._bulk_plan(now, expired)
+        return plan._replace(forks=forks)
 
     def _bulk_plan(self, now: float, expired: list[Sequence]) -> SchedulerOutput:
         """A bulk prompt's next chunk when interactive work lets it run: the
@@ -237,7 +268,9 @@ class Scheduler:
             self.kv.grow(c.seq, c.role, c.start + c.n + c.heal)
         decode = self.decoding() + [c.seq for c in chunks if c.role == "target" and c.start + c.n == c.seq.prompt_len
                                     and not c.seq.params.priming]
-        return SchedulerOutput(expired, chunks, copies, decode, slice_until)
+        for seq in decode:
+            self.kv.grow_ahead(seq, starting=seq.status is not Status.DECODE)
+        return SchedulerOutput(expired, chunks, copies, decode, slice_until=slice_until)
 
     def _heals(self, seq: Sequence, role: str, end: int) -> bool:
         """Whether a chunk ending at `end` ends the prompt and the backed-off

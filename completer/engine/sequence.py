@@ -33,6 +33,9 @@ class CacheState:
         self.chain: list[int] = []  # prefix-cache identities of the full computed blocks
 
 
+BULK_CATCH_UP = 256  # the longest catch-up the drafter makes for a bulk sequence
+
+
 class Sequence:
     def __init__(self, request: Request, output: OutputText, roles: tuple[str, ...], spec: SpecState):
         self.request = request  # what its candidates (params.n > 1) are forked from
@@ -66,6 +69,14 @@ class Sequence:
         self.candidate_rank = 0
         self.first_token: int | None = None
 
+    def drafter_far_behind(self) -> bool:
+        """A bulk sequence whose drafter has not seen its prompt (another
+        editor's long file): its catch-up would be one pass over the whole
+        prompt, and a keystroke would wait for all of it. The drafter proposes
+        nothing for it (the n-gram proposer still does), and no drafter blocks
+        are planned for it."""
+        return "draft" in self.kv and self.bulk and self.prompt_len - self.kv["draft"].computed > BULK_CATCH_UP
+
     def local_roles(self) -> list[str]:
         """The pools this engine prefills itself."""
         return [r for r in self.kv if not (r == "target" and self.remote_job is not None)]
@@ -92,6 +103,16 @@ class CandidateGroup:
         self.running: list[Sequence] = []
         self.texts: dict[int, str] = {}  # rank (1: the second most likely first token) -> text
         self.first: Finished | None = None  # the request's own, held until the candidates end
+        self.forking = True  # asked for, not yet joined (the scheduler's next plan forks them)
+        self.cancelled = False  # the request was cancelled after it ended, before they joined
+
+    @property
+    def wanted(self) -> bool:
+        """Whether candidates still have a point: the request was not
+        cancelled, nor unsure of its very start (the confidence rules: its
+        alternatives are less likely still)."""
+        first = self.first
+        return not self.cancelled and (first is None or first.reason != "cancelled" and first.cut != "first")
 
     def candidate_ended(self, seq: Sequence, reason: FinishReason, text: str) -> None:
         self.running.remove(seq)
@@ -100,10 +121,9 @@ class CandidateGroup:
 
     def result(self) -> Finished | None:
         """The request's `Finished` with the candidates' texts, once it and every candidate ended."""
-        if self.first is None or self.running:
+        if self.first is None or self.running or self.forking:
             return None
-        # Cancelled, or unsure of its very start (the confidence rules: its alternatives are less likely still).
-        if self.first.reason == "cancelled" or self.first.cut == "first":
+        if not self.wanted:
             return self.first
         unique: list[str] = []
         for _, text in sorted(self.texts.items()):

@@ -25,8 +25,9 @@ class Updater:
 
     def update(self, plan: SchedulerOutput | None,
                outputs: PrefillOutput | DecodeOutput | tuple[ClosedJobs, list[FirstToken]] | None) -> list[Event]:
-        """Apply what a step computed: nothing yet (the plan's expired end),
-        its prefill passes, its verify pass, or the connector's closed jobs.
+        """Apply what a step computed: nothing yet (the plan alone: its
+        expired end, and requests whose candidates did not join answer), its
+        prefill passes, its verify pass, or the connector's closed jobs.
         Returns the events it made (they stay in the output processor until
         the step delivers them: a step that fails later still sends them)."""
         before = len(self.output.events)
@@ -34,6 +35,7 @@ class Updater:
             case None:
                 for seq in plan.expired:
                     self.finish(seq, "deadline")
+                self._forked(plan)
             case PrefillOutput():
                 self._prefilled(plan, outputs)
             case DecodeOutput():
@@ -41,6 +43,14 @@ class Updater:
             case (ClosedJobs() as jobs, first):
                 self._jobs_closed(jobs, first)
         return self.output.events[before:]
+
+    def _forked(self, plan: SchedulerOutput) -> None:
+        """A request that ended before its candidates were planned, and none
+        joined: its `Finished`, held for them, goes out now."""
+        for fork in plan.forks:
+            if not fork.candidates and fork.seq.status is Status.FINISHED:
+                if (finished := fork.seq.candidates.result()) is not None:
+                    self.output.events.append(finished)
 
     def _prefilled(self, plan: SchedulerOutput, out: PrefillOutput) -> None:
         for seq, run, _ in plan.copies:
@@ -84,8 +94,8 @@ class Updater:
         if seq.status is Status.FINISHED:  # ended meanwhile (a deadline between passes)
             return
         self.scheduler.start_decoding(seq)
-        if first.alternatives:
-            self.candidates.fork(seq, first.alternatives)
+        if candidates := self.candidates.build(seq, first.alternatives):
+            self.scheduler.fork(seq, candidates)  # (they join at the next plan)
         self.accept(seq, first.tokens, first.probs)  # (a rejected heal token's K/V is rolled back there)
 
     def _verified(self, out: DecodeOutput) -> None:

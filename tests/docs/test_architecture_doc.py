@@ -98,6 +98,50 @@ def test_the_step_reads_as_plan_run_update():
     assert not re.search(r"\.execute\(|\.start\(\[|kv\.(allocate|rollback|publish|grow)\(", source)
 
 
+def calls_of(pattern: str) -> set[str]:
+    """`path:line` of every call in completer/ whose callee reads as `pattern` (a regex)."""
+    import ast
+
+    out = set()
+    for path in (ROOT / "completer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and re.fullmatch(pattern, ast.unparse(node.func)):
+                out.add(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_the_plan_allocates_every_block_a_step_writes():
+    """Blocks are taken for a step in `Scheduler.schedule` alone (vLLM v1's
+    `allocate_slots` with its lookahead): prefill chunks, moved copies, and
+    each decoding sequence's verify step and drafts (`grow_ahead`); the
+    executor and the drafter only check that their rows have blocks. (Outside
+    the step: admission's prefix match, and a connector's job destination,
+    which the scheduler's admission asks for. Calibration's timed dummy and a
+    prefill worker hold pools of their own.)"""
+    growers = {w.split(":")[0] for w in calls_of(r"(self\.)?kv\.(grow|grow_ahead|moved_slots|admit)")}
+    assert growers == {"completer/engine/scheduler.py", "completer/disagg/connector.py"}, sorted(growers)
+    checks = {w.split(":")[0] for w in calls_of(r".*\.check_room")}
+    assert checks == {"completer/engine/executor.py", "completer/engine/proposers.py"}, sorted(checks)
+
+
+def test_candidates_join_running_through_the_plan():
+    """A request's candidates are asked for in the update (`Scheduler.fork`)
+    and join running in `schedule`, which lists them (`SchedulerOutput.forks`);
+    only the scheduler adds to its queues."""
+    import ast
+
+    from completer.engine.scheduler import SchedulerOutput
+
+    assert "forks" in SchedulerOutput._fields
+    adders = set()
+    for path in (ROOT / "completer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and re.fullmatch(r".*\b(running|waiting)\.(append|insert|extend)",
+                                                           ast.unparse(node.func)):
+                adders.add(str(path.relative_to(ROOT)))
+    assert adders == {"completer/engine/scheduler.py"}, sorted(adders)
+
+
 # -- README's Layout, checked against the tree and docs/architecture.md ------------------------------
 
 LAYOUT_ENTRY = re.compile(r"^( {0,2})(\S.*?)(?: {2,}(.*))?$")

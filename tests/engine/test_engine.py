@@ -34,6 +34,29 @@ def test_greedy_with_speculation_equals_plain_greedy(models, tokenizer, draft, n
     assert usage(core) == 0
 
 
+def test_every_block_a_step_writes_is_planned_and_rejected_drafts_keep_only_the_lookahead(models, tokenizer,
+                                                                                         monkeypatch):
+    """The scheduler allocates a verify step's and the drafter's blocks
+    (`grow_ahead`); a rejected draft's blocks stay, no more than the
+    lookahead past the accepted tokens. Without the plan's lookahead the
+    pass refuses to write into blocks nobody allocated."""
+    core = make_core(models, tokenizer, draft="cut")  # it proposes, and some drafts are rejected
+    for i, p in enumerate(prompts(4)):
+        core.add(Request(str(i), p, free_mode()))
+    bs, rejected = core.kv.block_size, 0
+    while core.has_work:
+        core.step()
+        for seq in core.scheduler.decoding():
+            rejected += seq.timings.draft_proposed - seq.timings.draft_accepted
+            for role, state in seq.kv.items():
+                assert len(state.table) <= -(-(len(seq.tokens) + 2 + core.kv.lookahead) // bs), role
+    assert rejected > 0 and usage(core) == 0
+    monkeypatch.setattr(type(core.kv), "grow_ahead", lambda self, seq, starting: None)
+    core = make_core(models, tokenizer, draft="cut")
+    with pytest.raises(RuntimeError, match="no blocks planned"):
+        run(core, [Request("0", prompts(1)[0], free_mode())])
+
+
 def test_sixteen_concurrent_equal_one_by_one(models, tokenizer):
     ps = prompts(16, seed=3)
     together = run(make_core(models, tokenizer), [Request(str(i), p, free_mode()) for i, p in enumerate(ps)])
@@ -234,7 +257,7 @@ def test_run_in_passing_thread_returns_and_raises_on_a_thread_that_ends():
 
 
 def test_prefill_passes_pad_at_most_twice_what_they_hold_and_keep_every_chunk():
-    from completer.engine.scheduler import padded_groups
+    from completer.engine.executor import padded_groups
 
     lengths = [3, 500, 17, 30, 28, 1, 64, 512, 31, 2, 200]
     groups = padded_groups([(str(i), n) for i, n in enumerate(lengths)])

@@ -115,15 +115,15 @@ def test_a_request_that_ended_first_answers_once_its_candidates_end_or_a_cancel_
     for cancel in (False, True):
         core = make_core(models, tokenizer, draft=None)
         core.add(Request("a", prompt, SamplingParams(max_tokens=2, mode="free", n=2)))
-        events = core.step()  # prefill, first token and the fork; a decode pass ends the request
-        assert "a" not in core.scheduler.requests and len(core.scheduler.requests) == 1  # only its candidate runs
+        events = core.step()  # prefill, first token and the candidate asked for; a decode pass ends the request
+        assert not core.scheduler.requests and [len(c) for _, c in core.scheduler.forking] == [1]  # the next plan forks
         assert not [e for e in events if isinstance(e, Finished)]  # its answer waits for the candidate
         if cancel:
             core.abort("a")
             events += core.output.drain()  # what the engine loop sends when no step is left to run
         events += step_until(core, lambda: not core.has_work)
         finished = [e for e in events if isinstance(e, Finished)]
-        assert [(f.id, f.reason) for f in finished] == [("a", "length")]
+        assert [(f.id, f.reason) for f in finished] == [("a", "length")]  # once
         assert len(finished[0].candidates) == (0 if cancel else 1)
         assert all_returned(core)
 

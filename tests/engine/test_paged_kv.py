@@ -89,15 +89,6 @@ def test_release_returns_every_block_and_lru_eviction():
         manager.grow(tb, len(b) + 5 * BS)
 
 
-def test_truncate_drops_rejected_blocks():
-    manager = BlockManager(9, BS)
-    t = []
-    manager.grow(t, 10)
-    assert len(t) == 3
-    manager.truncate(t, 5)
-    assert len(t) == 2 and manager.num_free == 6
-
-
 def test_a_digest_collision_never_serves_other_tokens(monkeypatch):
     """Every key hashes alike: a lookup finds a block published under another
     key and must refuse it (the cache then starts cold), not serve its K/V."""
