@@ -55,7 +55,8 @@ class FusedCpuLayers:
         (llama.cpp's math; its reference is `q8_activations` on the int4 and
         int8 linears); else fp32 activations. level: the build's (tests; by
         default the one this machine runs, completer_kernels.cpu_levels)."""
-        from completer_kernels.cpu_decode import extension, pack_i8_tiles, pack_q4, pack_q4_tiles
+        from completer_kernels.cpu_decode import extension
+        from completer_kernels.cpu_packing import pack_i8_tiles, pack_q4, pack_q4_tiles
 
         cfg = model.config
         if model.inv_freq.device.type != "cpu":

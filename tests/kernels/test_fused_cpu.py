@@ -34,7 +34,7 @@ from completer.engine.sequence import CacheState
 from completer.loading import load
 from completer.model import ModelConfig, Transformer
 from completer.model_store import EMBEDDED_TARGET
-from completer_kernels import cpu_decode, cpu_levels
+from completer_kernels import cpu_decode, cpu_levels, cpu_packing
 from completer_kernels.cpu_levels import BY_NAME, CpuLevel, runnable_levels
 from support.engine_harness import served_greedy_text
 from support.hf_models import random_hf_model
@@ -113,7 +113,7 @@ def packed_both_ways(pack, unpack, q, scale, low):
 def assert_q8_reference(ext, x, packed, bias):
     """The extension's product with 8-bit activations equals the torch reference's; returns it."""
     got = ext.q4_linear(x, packed, bias, True)
-    torch.testing.assert_close(got, cpu_decode.q4_linear_reference(x, packed, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, cpu_packing.q4_linear_reference(x, packed, bias), atol=1e-4, rtol=1e-5)
     return got
 
 
@@ -123,13 +123,13 @@ def test_the_4bit_gemm_equals_its_torch_reference_with_q8_and_fp32_activations(l
     torch.manual_seed(rows)
     w = torch.randn(200, 320) * 0.05
     q, scale, low = int4_groups(w)
-    pairs = packed_both_ways(cpu_decode.pack_q4, cpu_decode.unpack_q4, q, scale, low)
+    pairs = packed_both_ways(cpu_packing.pack_q4, cpu_packing.unpack_q4, q, scale, low)
     x, bias = torch.randn(rows, 320), torch.randn(200)
     assert_q8_reference(ext, x, pairs, bias)
     dense = (q.float().view(200, -1, 32) * scale[..., None] + low[..., None]).view(200, 320)
     torch.testing.assert_close(ext.q4_linear(x, pairs, bias, False), x @ dense.T + bias, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of 64"):
-        cpu_decode.pack_q4(*int4_groups(torch.randn(8, 96)))
+        cpu_packing.pack_q4(*int4_groups(torch.randn(8, 96)))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
@@ -138,19 +138,19 @@ def test_the_tiled_vnni_gemms_equal_the_pairs_kernel_and_the_torch_references(le
     vnni_only(ext)
     torch.manual_seed(rows)
     q, scale, low = int4_groups(torch.randn(208, 320) * 0.05)
-    tiles = packed_both_ways(cpu_decode.pack_q4_tiles, cpu_decode.unpack_q4_tiles, q, scale, low)
+    tiles = packed_both_ways(cpu_packing.pack_q4_tiles, cpu_packing.unpack_q4_tiles, q, scale, low)
     x, bias = torch.randn(rows, 320), torch.randn(208)
     got = assert_q8_reference(ext, x, tiles, bias)
-    torch.testing.assert_close(got, ext.q4_linear(x, cpu_decode.pack_q4(q, scale, low), bias, True),
+    torch.testing.assert_close(got, ext.q4_linear(x, cpu_packing.pack_q4(q, scale, low), bias, True),
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="8-bit activations"):
         ext.q4_linear(x, tiles, bias, False)
     with pytest.raises(ValueError, match="multiple of 16 x 32"):
-        cpu_decode.pack_q4_tiles(*int4_groups(torch.randn(24, 64)))
+        cpu_packing.pack_q4_tiles(*int4_groups(torch.randn(24, 64)))
     # The int8 model's weights in the same tiles, a byte each.
     linear = Int8Linear(torch.randn(208, 320) * 0.05, bias)
     q8, scale8 = linear.int8_weight()
-    torch.testing.assert_close(ext.q4_linear(x, cpu_decode.pack_i8_tiles(q8, scale8), bias, True),
+    torch.testing.assert_close(ext.q4_linear(x, cpu_packing.pack_i8_tiles(q8, scale8), bias, True),
                                q8_product_int8(x, q8, scale8) + bias, atol=1e-4, rtol=1e-5)
 
 
@@ -173,7 +173,7 @@ def test_each_level_packs_the_layout_its_build_reads(level, level_ext, int4):
         return
     q, scale, low = int4_groups(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="tiled weights need AVX512-VNNI"):
-        level_ext.q4_linear(torch.randn(1, 64), cpu_decode.pack_q4_tiles(q, scale, low), None, True)
+        level_ext.q4_linear(torch.randn(1, 64), cpu_packing.pack_q4_tiles(q, scale, low), None, True)
     with pytest.raises(FusedUnsupported, match="int8 projections run .* only with 8-bit activations in VNNI tiles"):
         FusedCpuLayers(load(EMBEDDED_TARGET, "int8").model, q8=True, level=level)
 

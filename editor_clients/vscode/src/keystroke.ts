@@ -26,14 +26,17 @@ export interface DocumentEdit {
   reason?: unknown;
 }
 
+/** What VS Code inserts when an opening bracket or quote is typed and it closes the pair (editor.autoClosingBrackets, editor.autoClosingQuotes). */
+const AUTO_CLOSED = new Set(['()', '[]', '{}', '""', "''", '``']);
+
 /**
  * The cursor offset after `edit` when it is a keystroke at one cursor: one
  * change, not an undo or redo, that inserts text without a line break where
- * nothing was selected (the cursor after it), or deletes within a line
+ * nothing was selected (the cursor after it; between the two when it is an
+ * auto-closed pair, `(` typed and `)` added), or deletes within a line
  * (Backspace, Delete: the cursor where the deleted text began). Undefined
- * otherwise. (An editor that inserts more than was typed, e.g. a closing
- * bracket, puts the cursor elsewhere: the provider's call then matches no
- * request sent here, and asks itself.)
+ * otherwise. (Where the guess is wrong, a pasted `()`, the provider's call
+ * matches no request sent here and asks itself.)
  */
 export function typedCursor(edit: DocumentEdit): number | undefined {
   if (edit.reason !== undefined || edit.contentChanges.length !== 1) {
@@ -41,7 +44,10 @@ export function typedCursor(edit: DocumentEdit): number | undefined {
   }
   const [change] = edit.contentChanges;
   if (change.text !== '') {
-    return change.rangeLength === 0 && !/[\r\n]/.test(change.text) ? change.rangeOffset + change.text.length : undefined;
+    if (change.rangeLength !== 0 || /[\r\n]/.test(change.text)) {
+      return undefined;
+    }
+    return change.rangeOffset + (AUTO_CLOSED.has(change.text) ? 1 : change.text.length);
   }
   return change.rangeLength > 0 ? change.rangeOffset : undefined;
 }

@@ -212,6 +212,16 @@ export const fake = {
     editor.selections = [new Selection(p, p)];
     state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: typed ? 1 : undefined });
   },
+  /** An opening bracket or quote typed where VS Code closes the pair: one edit of both characters, the cursor between them. */
+  typeAutoClosed(editor: FakeEditor, pair: string): void {
+    state.pending?.cancel();
+    state.ghost = undefined;
+    const at = editor.cursor;
+    editor.document.edit(at, at, pair);
+    const p = editor.document.positionAt(at + 1);
+    editor.selections = [new Selection(p, p)];
+    state.onSelection.fire({ textEditor: editor, selections: editor.selections, kind: 1 });
+  },
   /** Delete the character before the cursor, as Backspace does (a keystroke). */
   deleteBeforeCursor(editor: FakeEditor): void {
     state.pending?.cancel();

@@ -51,6 +51,18 @@ describe('the request sent at the keystroke', () => {
     }
   });
 
+  it('an opening bracket VS Code closes is sent at the keystroke, for the cursor between the two, and taken', async () => {
+    const s = await start();
+    const editor = fake.open('file:///proj/app/pair.py', 'python', PROMPTS[3]);
+    fake.typeAutoClosed(editor, '()');
+    assert.equal(completes(s).length, 1, 'sent at the keystroke');
+    const early = completes(s)[0];
+    assert.ok(prefix(early)?.endsWith('    return ('), prefix(early));
+    assert.ok((early.document as { suffix: string }).suffix.startsWith(')'), 'the closing bracket after the cursor');
+    await automatic();
+    assert.equal(completes(s).length, 1, 'the call took it');
+  });
+
   it('a call at another cursor, or for another version, asks itself; the next keystroke cancels one not taken', async () => {
     const s = await start({ 'completer.maxTokens': 200 });
     const editor = fake.open('file:///proj/app/other.py', 'python', PROMPTS[1]);

@@ -89,6 +89,13 @@ describe('typedCursor: which edits are a keystroke at one cursor', () => {
     assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'é😀')] }), 13);
     assert.equal(typedCursor({ contentChanges: [edit(9, 1, '')] }), 9);
   });
+  it('an auto-closed pair puts the cursor between its two characters', () => {
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, '()')] }), 11);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, '""')] }), 11);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, '{}')] }), 11);
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, '(x')] }), 12, 'not a pair');
+    assert.equal(typedCursor({ contentChanges: [edit(10, 0, ')(')] }), 12, 'not a pair');
+  });
   it('not undo or redo, several changes, a line break, or text typed over a selection', () => {
     assert.equal(typedCursor({ contentChanges: [edit(9, 1, '')], reason: 1 }), undefined);
     assert.equal(typedCursor({ contentChanges: [edit(10, 0, 'x')], reason: 2 }), undefined);
