@@ -105,6 +105,7 @@ class CandidateGroup:
         self.first: Finished | None = None  # the request's own, held until the candidates end
         self.forking = True  # asked for, not yet joined (the scheduler's next plan forks them)
         self.cancelled = False  # the request was cancelled after it ended, before they joined
+        self.answered = False  # its `Finished` went out
 
     @property
     def wanted(self) -> bool:
@@ -120,9 +121,12 @@ class CandidateGroup:
             self.texts[seq.candidate_rank] = text
 
     def result(self) -> Finished | None:
-        """The request's `Finished` with the candidates' texts, once it and every candidate ended."""
-        if self.first is None or self.running or self.forking:
+        """The request's `Finished` with the candidates' texts, once it and
+        every candidate ended (at once when candidates have no point, even
+        before they were planned); once."""
+        if self.answered or self.first is None or self.running or (self.forking and self.wanted):
             return None
+        self.answered = True
         if not self.wanted:
             return self.first
         unique: list[str] = []

@@ -110,6 +110,18 @@ def test_cancelling_a_request_ends_its_candidates_and_frees_their_blocks(models,
     assert all_returned(core)
 
 
+def test_a_request_cancelled_before_its_candidates_join_answers_at_once_and_once(models, tokenizer):
+    core = make_core(models, tokenizer, draft=None)
+    core.add(Request("a", prompts(1, seed=5)[0], SamplingParams(max_tokens=30, mode="free", n=3)))
+    core.step()  # prefill and the first token: its candidates asked for, the next plan forks them
+    assert "a" in core.scheduler.requests and core.scheduler.forking
+    core.abort("a")
+    finished = [e for e in core.output.drain() if isinstance(e, Finished)]
+    assert [(f.id, f.reason) for f in finished] == [("a", "cancelled")]  # not a step later
+    later = step_until(core, lambda: not core.has_work)
+    assert not [e for e in later if isinstance(e, Finished)] and all_returned(core)
+
+
 def test_a_request_that_ended_first_answers_once_its_candidates_end_or_a_cancel_comes(models, tokenizer):
     prompt = prompts(1, seed=5)[0]
     for cancel in (False, True):
